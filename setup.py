@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="msmodelslim",
+    version="0.1.0",
+    description="Post-training quantization toolkit (msModelSlim style) for Kimi-K3 and friends",
+    packages=find_packages(include=["msmodelslim", "msmodelslim.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "transformers==5.23.0",
+        "compressed-tensors==0.20.0",
+        "fla-core==0.6.0",
+        "safetensors>=0.5,<0.9",
+        "pyyaml>=6.0,<7",
+        "tqdm>=4.66,<5",
+        "pillow>=10,<14",
+    ],
+    extras_require={
+        # fla-core imports `triton` at module import time, also on CPU hosts.
+        "cpu": ["triton>=3.2,<3.10"],
+        "dev": ["pytest>=8,<10", "ruff==0.17.6", "triton>=3.2,<3.10"],
+        "npu": ["torch_npu"],
+    },
+    include_package_data=True,
+    package_data={"msmodelslim": ["resources/**/*"]},
+    entry_points={"console_scripts": ["msmodelslim=msmodelslim.cli.main:main"]},
+)
