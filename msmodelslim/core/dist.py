@@ -1,0 +1,56 @@
+"""Process-group context and the few collectives the runners use (always in a fixed order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in a (possibly single-process) run."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            torch_dist.barrier()
+
+    def all_reduce_max(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Element-wise max of same-shaped statistics over ranks: one collective, names in sorted order.
+
+        Max is exact in floating point, so every rank ends with bit-identical statistics whatever the rank count.
+        """
+        if not self.is_distributed or not stats:
+            return stats
+        names = sorted(stats)
+        flat = torch.cat([stats[n].reshape(-1).float() for n in names]).to(self.device)
+        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.MAX)
+        out, offset = {}, 0
+        for n in names:
+            numel = stats[n].numel()
+            out[n] = flat[offset : offset + numel].view_as(stats[n]).to(stats[n].device, stats[n].dtype)
+            offset += numel
+        return out
+
+    def all_gather_objects(self, obj: object) -> list[object]:
+        if not self.is_distributed:
+            return [obj]
+        gathered: list[object] = [None] * self.world_size
+        torch_dist.all_gather_object(gathered, obj)
+        return gathered
+
+
+SINGLE = DistContext()

@@ -1,0 +1,82 @@
+"""The model adapter protocol: everything the toolkit knows about a model family, and nothing else.
+
+The runner drives units (`vision`, `embed`, `layers.{i}`, `head`) through an adapter; processors ask the adapter
+for model knowledge as data (QuaRot plans, smoothing subgraphs); the saver asks it which checkpoint names to write.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the model that is loaded, calibrated, processed, saved and freed at once."""
+
+    name: str  # "vision", "embed", "layers.3", "head"
+    kind: str  # "vision" | "embed" | "decoder" | "head"
+    prefix: str  # checkpoint-name prefix of the unit's tensors, ending with "."
+    index: int | None = None  # decoder layer index
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ModelAdapter(ABC):
+    """Model knowledge for one family. Subclasses are registered in config/config.ini."""
+
+    def __init__(self, model_path: str | Path, trust_remote_code: bool = False) -> None:
+        self.model_path = Path(model_path)
+        self.trust_remote_code = trust_remote_code
+
+    # --- structure -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def units(self) -> list[Unit]:
+        """Units in execution order."""
+
+    @abstractmethod
+    def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+        """Build `unit` from the checkpoint's own classes and load its weights strictly (missing -> error)."""
+
+    def free_unit(self, unit: Unit, module: nn.Module) -> None:
+        """Release a unit's memory after it was saved."""
+        module.to("meta")
+
+    # --- calibration data flow -------------------------------------------------------------------------------
+    @abstractmethod
+    def prepare_samples(self, records: list[Any]) -> list[dict[str, torch.Tensor]]:
+        """Turn calibration records into per-sample model inputs (CPU tensors)."""
+
+    @abstractmethod
+    def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """Run one sample's state through a unit and return the state for the next unit."""
+
+    def idle_unit(self, unit: Unit, module: nn.Module) -> None:
+        """Take part in a unit's collectives without a sample (data parallelism with uneven sample counts)."""
+
+    # --- names and saving ------------------------------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_name(self, unit: Unit, live_name: str) -> str:
+        """Full checkpoint name of a tensor/module given its name inside the unit module."""
+
+    @abstractmethod
+    def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
+        """(checkpoint name, Tensor or quantized module) pairs the saver writes for this unit."""
+
+    def is_expert(self, live_name: str) -> bool:
+        """True for modules owned by one expert-parallel rank (their statistics are not reduced across ranks)."""
+        return False
+
+    # --- algorithm maps (model knowledge as data) ------------------------------------------------------------
+    def quarot_plan(self, unit: Unit, module: nn.Module) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no QuaRot plan")
+
+    def smooth_subgraphs(self, unit: Unit, module: nn.Module) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no smoothing subgraphs")

@@ -1,0 +1,50 @@
+"""Processor protocol and registry: a processor is a validated config plus a transform applied per unit."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from msmodelslim.core.runner.context import UnitContext
+    from msmodelslim.model.base import ModelAdapter
+
+
+@dataclass
+class ProcessorConfig:
+    """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field for values out of range."""
+
+
+class Processor(ABC):
+    config_cls: type[ProcessorConfig] = ProcessorConfig
+
+    def __init__(self, config: ProcessorConfig, adapter: ModelAdapter) -> None:
+        self.config = config
+        self.adapter = adapter
+
+    @abstractmethod
+    def process_unit(self, ctx: UnitContext) -> None:
+        """Transform `ctx.module` in place."""
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
+        return {}
+
+
+PROCESSORS: dict[str, type[Processor]] = {}
+
+
+def register_processor(name: str, config_cls: type[ProcessorConfig]) -> Callable[[type[Processor]], type[Processor]]:
+    def wrap(cls: type[Processor]) -> type[Processor]:
+        if name in PROCESSORS:
+            raise ValueError(f"processor type {name!r} registered twice")
+        cls.config_cls = config_cls
+        PROCESSORS[name] = cls
+        return cls
+
+    return wrap
