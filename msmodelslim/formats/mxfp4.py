@@ -1,0 +1,182 @@
+"""MXFP4 (OCP microscaling FP4) decode and encode, compressed-tensors layout.
+
+Layout (see ../shared/reference/mxfp4.md): a Linear weight W [out, in] is stored as
+``weight_packed`` uint8 [out, in/2] (E2M1 codes, element 2j in the LOW nibble of byte j) and
+``weight_scale`` uint8 [out, in/32] (E8M0 exponent e, group scale ``2 ** (e - bias)``, bias 127).
+
+Decoding is pure torch on the tensors' own device (cpu, cuda, npu). Every decoded value is
+``E2M1(code) * 2 ** (e - bias)`` correctly rounded to the output dtype; for bf16/fp32 that is exact
+for every finite result (products that exceed the format overflow to +-inf, as IEEE arithmetic does).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "GROUP_SIZE",
+    "MXFP4_EXPONENT_BIAS",
+    "decode_mxfp4",
+    "encode_mxfp4",
+]
+
+GROUP_SIZE = 32
+MXFP4_EXPONENT_BIAS = 127
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E8M0_NAN = 255
+
+# Word dtype holding the two decoded elements of one packed byte, by output element size.
+_PAIR_WORD = {2: torch.int32, 4: torch.int64}
+_ELEM_INT = {2: torch.int16, 4: torch.int32}
+
+_table_lock = threading.Lock()
+
+
+def _check_decode_inputs(packed: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"{name}: weight_packed must be uint8, got {packed.dtype}")
+    if scale.dtype != torch.uint8:
+        raise ValueError(f"{name}: weight_scale must be uint8 (E8M0), got {scale.dtype}")
+    if packed.dim() != 2 or scale.dim() != 2:
+        raise ValueError(
+            f"{name}: expected 2-D weight_packed and weight_scale, got shapes "
+            f"{tuple(packed.shape)} and {tuple(scale.shape)}"
+        )
+    rows, half_cols = packed.shape
+    cols = 2 * half_cols
+    if cols % GROUP_SIZE != 0:
+        raise ValueError(f"{name}: in_features {cols} (weight_packed {tuple(packed.shape)}) is not divisible by {GROUP_SIZE}")
+    if tuple(scale.shape) != (rows, cols // GROUP_SIZE):
+        raise ValueError(
+            f"{name}: weight_scale shape {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
+            f"(expected {(rows, cols // GROUP_SIZE)})"
+        )
+    if packed.device != scale.device:
+        raise ValueError(f"{name}: weight_packed on {packed.device} but weight_scale on {scale.device}")
+
+
+@functools.lru_cache(maxsize=32)
+def _pair_table_cpu(dtype: torch.dtype, exponent_bias: int) -> torch.Tensor:
+    """Table [256 * 256] indexed by ``e << 8 | byte``: the two decoded elements of ``byte``, as one word.
+
+    Built in float64, where every ``E2M1 * 2**(e - bias)`` is exact, then rounded once to ``dtype``.
+    Row 255 (E8M0 NaN) is never read: inputs containing it are rejected before the lookup.
+    """
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    if elem_size not in _PAIR_WORD:
+        raise ValueError(f"decode_mxfp4: unsupported output dtype {dtype}")
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    code_vals = torch.cat([mags, -mags])  # index = 4-bit code (bit 3 = sign); code 8 is -0.0
+    exps = torch.arange(256, dtype=torch.float64) - exponent_bias
+    vals = code_vals[None, :] * torch.exp2(exps)[:, None]  # [e, code] exact in float64
+    vals[_E8M0_NAN] = 0.0
+    bits = vals.to(dtype).view(_ELEM_INT[elem_size]).to(torch.int64) & ((1 << (8 * elem_size)) - 1)
+    byte = torch.arange(256)
+    lo, hi = bits[:, byte & 0xF], bits[:, byte >> 4]  # [e, byte]
+    if sys.byteorder != "little":  # element 2j must sit at the lower address
+        lo, hi = hi, lo
+    words = lo | (hi << (8 * elem_size))
+    word_dtype = _PAIR_WORD[elem_size]
+    if word_dtype == torch.int32:
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.reshape(-1).contiguous()
+
+
+_device_tables: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+
+
+def _pair_table(device: torch.device, dtype: torch.dtype, exponent_bias: int) -> torch.Tensor:
+    key = (str(device), dtype, exponent_bias)
+    table = _device_tables.get(key)
+    if table is None:
+        with _table_lock:
+            table = _device_tables.get(key)
+            if table is None:
+                table = _pair_table_cpu(dtype, exponent_bias).to(device)
+                _device_tables[key] = table
+    return table
+
+
+def decode_mxfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    exponent_bias: int = MXFP4_EXPONENT_BIAS,
+    *,
+    name: str = "tensor",
+) -> torch.Tensor:
+    """Dequantize compressed-tensors MXFP4 to a dense [out, in] tensor on ``packed.device``.
+
+    Args:
+        packed: uint8 [out, in/2] E2M1 codes, element 2j in the low nibble of byte j.
+        scale: uint8 [out, in/32] E8M0 exponents; 255 (NaN) is rejected.
+        dtype: output dtype (bfloat16, float16 or float32).
+        exponent_bias: 127 by the spec; 125 for checkpoints written by compressed-tensors 0.13.x.
+        name: used in error messages (the checkpoint key).
+    """
+    _check_decode_inputs(packed, scale, name)
+    if bool((scale == _E8M0_NAN).any()):
+        bad = (scale == _E8M0_NAN).nonzero()[0].tolist()
+        raise ValueError(f"{name}: weight_scale holds E8M0 NaN (255) at {tuple(bad)}")
+    rows, half_cols = packed.shape
+    table = _pair_table(packed.device, dtype, exponent_bias)
+    # One gather per packed byte: index (e << 8 | byte) selects both decoded elements at once,
+    # scale included, so there is no multiply and every value is the table's exactly rounded one.
+    groups = half_cols * 2 // GROUP_SIZE
+    index = (scale.to(torch.int32) << 8).unsqueeze(-1) | packed.reshape(rows, groups, GROUP_SIZE // 2)
+    words = table[index.reshape(rows, half_cols)]
+    return words.view(dtype)
+
+
+def encode_mxfp4(weight: torch.Tensor, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float [out, in] weight to MXFP4 exactly as compressed-tensors' compressor does.
+
+    Scale: the group amax is rounded to a power of two P (up when its mantissa is >= 1.75) and
+    ``e = 127 + log2(P) - 2`` (clamped at 0; an all-zero group gets e = 0). Elements: x / 2**(e-127),
+    clamped to +-6, rounded to the nearest E2M1 value with ties to the even code; a negative value that
+    rounds to zero keeps its sign (code 0x8), an exact -0.0 gives code 0 (compressed-tensors' torch.sign).
+    Bit-exact with compressed-tensors 0.20 for bfloat16 and float32 weights.
+
+    Returns:
+        (packed uint8 [out, in/2], scale uint8 [out, in/32]) on ``weight.device``.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point weight, got {weight.dtype}")
+    rows, cols = weight.shape
+    if cols % GROUP_SIZE != 0:
+        raise ValueError(f"{name}: in_features {cols} is not divisible by {GROUP_SIZE}")
+    # float32 holds bf16/fp16/fp32 exactly and x / 2**k is exact there unless the quotient is far below
+    # 0.25 (code 0 either way, sign kept), so the codes equal those of compressed-tensors' bf16 math.
+    work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    x = weight.to(work).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: weight contains NaN or inf")
+    amax = x.abs().amax(dim=-1)
+    mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
+    log2_p = torch.where(mant >= 0.875, exp, exp - 1)  # 2*mant >= 1.75 rounds up
+    if bool((log2_p >= 128).any()):
+        raise ValueError(f"{name}: group amax too large for an E8M0 scale (>= 1.75 * 2**127)")
+    e = torch.where(amax == 0, 0, (log2_p + (MXFP4_EXPONENT_BIAS - 2)).clamp(min=0))
+    scale_val = torch.exp2((e - MXFP4_EXPONENT_BIAS).to(torch.float64)).to(work)  # exact powers of two
+    q = (x / scale_val.unsqueeze(-1)).clamp(-6.0, 6.0)
+    a = q.abs()
+    code = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    code = code | ((q < 0).to(torch.uint8) << 3)
+    code = code.reshape(rows, cols // 2, 2)
+    packed = code[..., 0] | (code[..., 1] << 4)
+    return packed.contiguous(), e.to(torch.uint8)
