@@ -1,0 +1,139 @@
+"""Quantization services: turn a validated request into one (or one per device) layer-wise run.
+
+`modelslim_v1` serves text-only models, `multimodal_vlm_modelslim_v1` image+text models; both spread the
+calibration set over every device given (data parallel) and the routed experts over the same ranks (expert
+parallel), so a multi-device run produces the single-device bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+
+from msmodelslim.core.calib import load_calib_records
+from msmodelslim.core.device import DeviceSpec
+from msmodelslim.core.dist import DistContext
+from msmodelslim.core.runner.layer_wise import LayerWiseRunner
+from msmodelslim.model.base import ModelAdapter
+
+logger = logging.getLogger(__name__)
+
+TEXT_SERVICE = "modelslim_v1"
+MULTIMODAL_SERVICE = "multimodal_vlm_modelslim_v1"
+
+
+@dataclass
+class QuantRequest:
+    model_path: Path
+    work_dir: Path
+    device: DeviceSpec
+    adapter_cls: type[ModelAdapter]
+    practice: Any  # core.config.PracticeConfig
+    trust_remote_code: bool
+    model_type: str
+    prefetch: bool = True
+
+
+class ServiceError(ValueError):
+    """A request the chosen service cannot serve (wrong data for the model, impossible runner/device pair)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_request(request: QuantRequest, records: list[Any]) -> None:
+    spec = request.practice.spec
+    world = request.device.world_size
+    if spec.runner == "layer_wise" and world > 1:
+        raise ServiceError(f"spec.runner: layer_wise runs on one device, but --device gives {world}; "
+                           f"use runner auto or dp_layer_wise")
+    with_image = sum(1 for r in records if getattr(r, "image", None) is not None)
+    if request.practice.apiversion == TEXT_SERVICE and with_image:
+        raise ServiceError(f"apiversion {TEXT_SERVICE} is the text service but dataset {spec.dataset!r} has "
+                           f"{with_image} image records; use {MULTIMODAL_SERVICE}")
+    if request.practice.apiversion == MULTIMODAL_SERVICE and not with_image:
+        raise ServiceError(f"apiversion {MULTIMODAL_SERVICE} calibrates on images and text, but dataset "
+                           f"{spec.dataset!r} has no image record")
+    if len(records) < world:
+        raise ServiceError(f"{len(records)} calibration records cannot be shared by {world} devices")
+
+
+def _build(entries: list[Any], registry: dict[str, type], *args: Any) -> list[Any]:
+    built = []
+    for entry in entries:
+        cls = registry[entry.type]
+        built.append(cls(entry.config, *args))
+    return built
+
+
+def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int | None) -> dict[str, float]:
+    """One rank of a run (rank 0 of 1 on a single device)."""
+    from msmodelslim.processor.base import PROCESSORS
+    from msmodelslim.processor.save.base import SAVERS
+
+    spec = request.practice.spec
+    world = request.device.world_size
+    device = request.device.torch_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device in this process)
+
+        torch.npu.set_device(device)
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch_dist.init_process_group(request.device.backend, rank=rank, world_size=world,
+                                      device_id=device if device.type != "cpu" else None)
+    dist = DistContext(rank=rank, world_size=world, device=device)
+    try:
+        adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
+        samples = adapter.prepare_samples(records, max_seq_len=getattr(spec, "max_seq_len", None))
+        steps = math.ceil(len(samples) / world)
+        mine = samples[rank * steps:(rank + 1) * steps]
+        processors = _build(spec.process, PROCESSORS, adapter)
+        savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
+        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=request.prefetch, steps=steps)
+        start = time.perf_counter()
+        stats = runner.run(mine)
+        result = dict(stats.seconds)
+        result["wall"] = time.perf_counter() - start
+        if dist.is_main:
+            logger.info("run finished in %.1f s (%s)", result["wall"],
+                        ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())))
+        return result
+    except Exception:
+        logger.exception("rank %d of %d failed", rank, world)
+        raise
+    finally:
+        if world > 1 and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+def run_service(request: QuantRequest) -> None:
+    spec = request.practice.spec
+    records = load_calib_records(spec.dataset, spec.default_text, getattr(spec, "max_samples", None))
+    _check_request(request, records)
+    world = request.device.world_size
+    logger.info("%s: %d calibration records on %d device(s) (%s)", request.practice.apiversion, len(records),
+                world, request.device)
+    if world == 1:
+        run_worker(0, request, records, None)
+        return
+    # One process per device; spawn terminates every rank as soon as one fails, so a failure cannot hang.
+    mp.spawn(run_worker, args=(request, records, _free_port()), nprocs=world, join=True)

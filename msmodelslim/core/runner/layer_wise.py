@@ -1,0 +1,123 @@
+"""The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
+
+Per unit: load (the next unit is prefetched in the background) -> processors in YAML order (they run calibration
+forwards through `UnitContext` when they need statistics) -> forward the processed unit over the samples to make
+the next unit's inputs (quantization errors propagate as at inference) -> save -> free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.processor.base import Processor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunStats:
+    """Seconds per stage summed over units (load counts only time spent waiting for a unit)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    units: int = 0
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+
+
+class LayerWiseRunner:
+    def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
+                 dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None) -> None:
+        self.adapter = adapter
+        self.processors = list(processors)
+        self.savers = list(savers)
+        self.dist = dist
+        self.prefetch = prefetch
+        # Number of lock-step sample slots; ranks with fewer samples idle through the collectives.
+        self.steps = steps
+        self.stats = RunStats()
+
+    def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
+                     keep: bool) -> list[dict[str, Any]]:
+        steps = self.steps if self.steps is not None else len(states)
+        outputs = []
+        with torch.no_grad():
+            for step in range(steps):
+                if step < len(states):
+                    out = self.adapter.forward_unit(unit, module, states[step])
+                    if keep:
+                        outputs.append(out)
+                else:
+                    self.adapter.idle_unit(unit, module)
+        return outputs
+
+    def run(self, samples: list[dict[str, Any]]) -> RunStats:
+        units = self.adapter.units()
+        device = self.dist.device
+        states = [dict(s) for s in samples]
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if self.prefetch else None
+
+        def load(i: int) -> Future | nn.Module:
+            if pool is None:
+                return self.adapter.load_unit(units[i], device)
+            return pool.submit(self.adapter.load_unit, units[i], device)
+
+        bar = tqdm(total=len(units), desc="quantizing", unit="unit", disable=not self.dist.is_main,
+                   dynamic_ncols=True)
+        pending = load(0)
+        try:
+            for i, unit in enumerate(units):
+                bar.set_postfix_str(unit.name)
+                t0 = time.perf_counter()
+                module = pending.result() if isinstance(pending, Future) else pending
+                self.stats.add("load", time.perf_counter() - t0)
+                if i + 1 < len(units):
+                    pending = load(i + 1)
+
+                t0 = time.perf_counter()
+                ctx = UnitContext(unit, module, self.adapter, self.dist,
+                                  run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
+                for processor in self.processors:
+                    processor.process_unit(ctx)
+                self.stats.add("process", time.perf_counter() - t0)
+
+                t0 = time.perf_counter()
+                if unit.kind != "head":
+                    states = self._run_samples(unit, module, states, keep=True)
+                self.stats.add("calibrate", time.perf_counter() - t0)
+
+                t0 = time.perf_counter()
+                for saver in self.savers:
+                    saver.save_unit(unit, module)
+                self.adapter.free_unit(unit, module)
+                self.stats.add("save", time.perf_counter() - t0)
+                self.stats.units += 1
+                bar.update(1)
+                logger.debug("unit %s done", unit.name)
+        finally:
+            bar.close()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+        metadata: dict[str, Any] = {}
+        for processor in self.processors:
+            metadata.update(processor.describe())
+        t0 = time.perf_counter()
+        self.dist.barrier()
+        for saver in self.savers:
+            saver.finalize(metadata)
+        self.stats.add("save", time.perf_counter() - t0)
+        return self.stats

@@ -1,0 +1,328 @@
+"""KimiK3ModelAdapter: Kimi-K3 (vision + latent-MoE Kimi-Linear) and text-only Kimi-Linear checkpoints.
+
+The model code is never ours: the adapter builds the weight directory's own classes (remote code with
+`trust_remote_code`, or transformers' native Kimi-Linear) on the meta device, then materialises one unit at a time
+from the checkpoint. Everything model-specific the runner and processors need is answered here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.formats.checkpoint import open_checkpoint
+from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.model.common.utils import resolve_expert_ep_range
+from msmodelslim.model.kimi_k3 import ep_patches, runtime_patches
+from msmodelslim.quant.modules import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_RE = re.compile(r"(?<!shared_)experts\.(\d+)\.")
+# transformers' native Kimi-Linear renames a few checkpoint tensors (its conversion mapping); live -> checkpoint.
+_NATIVE_RENAMES = (("self_attn.forget_gate.", "self_attn."),)
+_NATIVE_FUSED_CONV = "self_attn.conv1d.weight"
+_NATIVE_CONV_PARTS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
+
+
+class UnitModule(nn.Module):
+    """A unit made of several top-level pieces of the model (vision tower + projector, final norm + lm_head)."""
+
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+def _model_class(config: Any, model_path: Path, trust_remote_code: bool) -> type[nn.Module]:
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if not arch:
+        raise ValueError(f"{model_path / 'config.json'}: no 'architectures' entry")
+    auto_map = getattr(config, "auto_map", None) or {}
+    refs = [v for v in auto_map.values() if isinstance(v, str) and v.rsplit(".", 1)[-1] == arch]
+    if refs:
+        if not trust_remote_code:
+            raise ValueError(f"{model_path} ships its own model code ({refs[0]}); pass --trust_remote_code True")
+        return get_class_from_dynamic_module(refs[0], str(model_path))
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise ValueError(f"{model_path / 'config.json'}: architecture {arch!r} is neither in auto_map nor in "
+                         f"transformers {transformers.__version__}")
+    return cls
+
+
+class KimiK3ModelAdapter(ModelAdapter):
+    """Model knowledge for Kimi-K3 and Kimi-Linear (remote code or transformers' native class)."""
+
+    def __init__(self, model_path: str | Path, trust_remote_code: bool = False, dist: DistContext = SINGLE,
+                 dtype: torch.dtype = torch.bfloat16, fla_on_cuda: bool = False) -> None:
+        super().__init__(model_path, trust_remote_code)
+        self.dist = dist
+        self.dtype = dtype
+        if not (self.model_path / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_path}: no config.json (is --model_path a weight directory?)")
+        self.config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        self.text_config = self.config.get_text_config()
+        self.is_multimodal = getattr(self.config, "vision_config", None) is not None
+        self.reader = open_checkpoint(self.model_path)
+
+        cls = _model_class(self.config, self.model_path, trust_remote_code)
+        with torch.device("meta"):
+            self.model = cls._from_config(self.config, dtype=dtype)
+        self.model.eval()
+        self.is_native = type(self.model).__module__.startswith("transformers.models.")
+        self.language_model = self.model.language_model if self.is_multimodal else self.model
+        self.lm_prefix = "language_model." if self.is_multimodal else ""
+        self.layers = self.language_model.model.layers
+
+        self.expert_range = resolve_expert_ep_range(int(self.text_config.num_experts), dist.rank, dist.world_size)
+        self._ep = ep_patches.apply_ep_patches(self.model, self.text_config, dist)
+        self._kernels = runtime_patches.apply_runtime_patches(
+            runtime_patches.find_fla_modules(self.model), device_type=dist.device.type, force=not fla_on_cuda)
+        self._tokenizer: Any = None
+        self._processor: Any = None
+        self._mask_cache: dict[int, Any] = {}
+        self._units = self._build_units()
+        self._check_checkpoint_covered()
+
+    def close(self) -> None:
+        """Undo the runtime patches of the checkpoint's classes (EP and kernels)."""
+        self._kernels.undo()
+        self._ep.undo()
+
+    # --- structure -------------------------------------------------------------------------------------------
+    def _build_units(self) -> list[Unit]:
+        units = []
+        if self.is_multimodal:
+            units.append(Unit("vision", "vision", ""))
+        lm = self.lm_prefix
+        units.append(Unit("embed", "embed", f"{lm}model.embed_tokens."))
+        units += [Unit(f"layers.{i}", "decoder", f"{lm}model.layers.{i}.", i) for i in range(len(self.layers))]
+        units.append(Unit("head", "head", f"{lm}model.norm."))
+        return units
+
+    def units(self) -> list[Unit]:
+        return list(self._units)
+
+    def _pieces(self, unit: Unit) -> list[tuple[str, str]]:
+        """(live-name prefix, checkpoint-name prefix) of each piece of a unit."""
+        lm = self.lm_prefix
+        if unit.kind == "vision":
+            return [("vision_tower.", "vision_tower."), ("mm_projector.", "mm_projector.")]
+        if unit.kind == "embed":
+            return [("embed_tokens.", f"{lm}model.embed_tokens.")]
+        if unit.kind == "head":
+            return [("norm.", f"{lm}model.norm."), ("lm_head.", f"{lm}lm_head.")]
+        return [("", unit.prefix)]
+
+    def unit_module(self, unit: Unit) -> nn.Module:
+        """The (meta or materialised) module of a unit, shared with the model skeleton."""
+        if unit.kind == "vision":
+            return UnitModule(vision_tower=self.model.vision_tower, mm_projector=self.model.mm_projector)
+        if unit.kind == "embed":
+            return UnitModule(embed_tokens=self.language_model.model.embed_tokens)
+        if unit.kind == "head":
+            return UnitModule(norm=self.language_model.model.norm, lm_head=self.language_model.lm_head)
+        return self.layers[unit.index]
+
+    def _is_sparse_layer(self, index: int) -> bool:
+        return hasattr(self.layers[index], "mlp") and ep_patches.is_moe_block(self.layers[index].mlp)
+
+    def checkpoint_name(self, unit: Unit, live_name: str) -> str:
+        for live_prefix, ckpt_prefix in self._pieces(unit):
+            if live_name.startswith(live_prefix) or live_name + "." == live_prefix:
+                rest = live_name[len(live_prefix):] if live_name.startswith(live_prefix) else ""
+                if self.is_native and unit.kind == "decoder":
+                    for old, new in _NATIVE_RENAMES:
+                        if rest.startswith(old):
+                            rest = new + rest[len(old):]
+                    if self._is_sparse_layer(unit.index) and (rest == "mlp" or rest.startswith("mlp.")):
+                        rest = "block_sparse_moe" + rest[3:]
+                return (ckpt_prefix + rest).rstrip(".")
+        raise KeyError(f"unit {unit.name}: {live_name!r} is not part of it")
+
+    def is_expert(self, name: str) -> bool:
+        return _EXPERT_RE.search(name + ".") is not None
+
+    # --- loading ---------------------------------------------------------------------------------------------
+    def _ckpt_tensor_names(self, unit: Unit, live_name: str) -> list[str]:
+        if self.is_native and unit.kind == "decoder" and live_name == _NATIVE_FUSED_CONV:
+            return [unit.prefix + part for part in _NATIVE_CONV_PARTS]
+        return [self.checkpoint_name(unit, live_name)]
+
+    def _check_checkpoint_covered(self) -> None:
+        prefixes = [p for u in self._units for _, p in self._pieces(u)]
+        stray = [k for k in self.reader.keys() if not any(k.startswith(p) for p in prefixes)]
+        if stray:
+            raise ValueError(f"{self.model_path}: checkpoint tensor {stray[0]!r} (and {len(stray) - 1} more) "
+                             f"belongs to no part of {type(self.model).__name__}")
+
+    def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+        reader = reader or self.reader
+        available = set(reader.keys())
+        module = self.unit_module(unit)
+        persistent = {name for name, *_ in _tensor_slots(module)}
+        for name, buf in module.named_buffers():
+            if buf.is_meta and name not in persistent:
+                raise RuntimeError(f"unit {unit.name}: non-persistent buffer {name!r} cannot be rebuilt from the "
+                                   f"checkpoint; the adapter must recompute it")
+        expected: set[str] = set()
+        for live_name, owner, attr, is_param in _tensor_slots(module):
+            names = self._ckpt_tensor_names(unit, live_name)
+            expected.update(names)
+            for name in names:
+                if name not in available:
+                    raise KeyError(f"{self.model_path}: tensor {name!r} of unit {unit.name} is missing "
+                                   f"from the checkpoint")
+            parts = [reader.get(n, device) for n in names]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                tensor = tensor.to(self.dtype)
+            current = getattr(owner, attr)
+            if tuple(tensor.shape) != tuple(current.shape):
+                raise ValueError(f"{names[0]}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                                 f"{tuple(current.shape)}")
+            if is_param:
+                owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            else:
+                owner._buffers[attr] = tensor
+        prefixes = [p for _, p in self._pieces(unit)]
+        for key in available:
+            if any(key.startswith(p) for p in prefixes) and key not in expected:
+                match = _EXPERT_RE.search(key)
+                if match and int(match.group(1)) not in self.expert_range:
+                    continue  # another rank's expert: never loaded here
+                raise KeyError(f"{self.model_path}: unexpected tensor {key!r} for unit {unit.name} "
+                               f"(the model class {type(self.model).__name__} has no such parameter)")
+        return module
+
+    def free_unit(self, unit: Unit, module: nn.Module) -> None:
+        module.to("meta")
+
+    # --- calibration data flow -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self.is_multimodal:
+                self._tokenizer = self.processor.tokenizer
+            else:
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    self.model_path, trust_remote_code=self.trust_remote_code)
+        return self._tokenizer
+
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            self._processor = transformers.AutoProcessor.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code)
+        return self._processor
+
+    def prepare_samples(self, records: list[Any], max_seq_len: int | None = None) -> list[dict[str, torch.Tensor]]:
+        from PIL import Image
+
+        samples = []
+        for record in records:
+            image = getattr(record, "image", None)
+            if image is not None and not self.is_multimodal:
+                raise ValueError(f"calibration record with image {image} given to text-only model "
+                                 f"{self.model_path}; use a text dataset")
+            if image is None:
+                ids = self.tokenizer(record.text, add_special_tokens=True, return_tensors="pt")["input_ids"]
+                if max_seq_len:
+                    ids = ids[:, :max_seq_len]
+                samples.append({"input_ids": ids})
+                continue
+            with Image.open(image) as img:
+                rgb = img.convert("RGB")
+            inputs = self.processor(text=self.processor.image_token + record.text, images=[rgb],
+                                    return_tensors="pt")
+            samples.append({k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "image_grid_hws")})
+        return samples
+
+    def _causal_mask(self, hidden: torch.Tensor) -> Any:
+        """transformers' own mask for its native full-attention layers (None where sdpa can be causal)."""
+        from transformers.masking_utils import create_causal_mask
+
+        length = hidden.shape[1]
+        if length not in self._mask_cache:
+            positions = torch.arange(length, device=hidden.device).unsqueeze(0)
+            self._mask_cache[length] = create_causal_mask(config=self.text_config, inputs_embeds=hidden,
+                                                          attention_mask=None, past_key_values=None,
+                                                          position_ids=positions)
+        return self._mask_cache[length]
+
+    @torch.no_grad()
+    def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        if unit.kind == "vision":
+            if "pixel_values" not in state:
+                return state
+            features = self.model.get_image_features(state["pixel_values"].to(self.dist.device, self.dtype),
+                                                     state["image_grid_hws"].to(self.dist.device))
+            return {**state, "image_features": features}
+        if unit.kind == "embed":
+            ids = state["input_ids"].to(self.dist.device)
+            hidden = module.embed_tokens(ids)
+            if "image_features" in state:
+                hidden = self.model.merge_image_features(hidden, ids, state["image_features"])
+            return {"hidden_states": hidden, "input_ids": ids}
+        hidden = state["hidden_states"]
+        if unit.kind == "head":
+            return {**state, "logits": module.lm_head(module.norm(hidden))}
+        if self.is_native and self.text_config.layer_types[unit.index] == "full_attention":
+            out = module(hidden, attention_mask=self._causal_mask(hidden))
+        else:
+            out = module(hidden, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        return {**state, "hidden_states": out}
+
+    def idle_unit(self, unit: Unit, module: nn.Module) -> None:
+        for block in module.modules():
+            if ep_patches.is_moe_block(block):
+                ep_patches.ep_idle(block)
+
+    # --- saving ----------------------------------------------------------------------------------------------
+    def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
+        quantized = {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
+        for name, mod in quantized.items():
+            yield self.checkpoint_name(unit, name), mod
+        for live_name, owner, attr, _ in _tensor_slots(module):
+            owner_name = live_name.rsplit(".", 1)[0] if "." in live_name else ""
+            if any(owner_name == q or owner_name.startswith(q + ".") for q in quantized):
+                continue
+            tensor = getattr(owner, attr)
+            names = self._ckpt_tensor_names(unit, live_name)
+            parts = tensor.chunk(len(names), dim=0) if len(names) > 1 else [tensor]
+            yield from zip(names, parts)
+
+    # --- algorithm maps --------------------------------------------------------------------------------------
+    def quarot_plan(self, unit: Unit, module: nn.Module) -> Any:
+        from msmodelslim.model.kimi_k3 import quarot
+
+        return quarot.quarot_plan(unit, module)
+
+    def smooth_subgraphs(self, unit: Unit, module: nn.Module) -> list[Any]:
+        from msmodelslim.model.kimi_k3 import smooth
+
+        return smooth.smooth_subgraphs(unit, module)
+
+
+def _tensor_slots(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool]]:
+    """(live name, owning module, attribute, is_parameter) of every parameter and persistent buffer."""
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, value in mod._parameters.items():
+            if value is not None:
+                yield prefix + attr, mod, attr, True
+        for attr, value in mod._buffers.items():
+            if value is not None and attr not in mod._non_persistent_buffers_set:
+                yield prefix + attr, mod, attr, False

@@ -1,0 +1,180 @@
+"""Expert parallelism by monkey-patching the checkpoint's own MoE class (never its files).
+
+Rank r holds only the experts in `resolve_expert_ep_range(E, r, W)`; the others are never built or loaded.
+The routed part of the MoE forward becomes: gather every rank's tokens, run the local experts, sum-reduce,
+keep this rank's tokens. Shared experts and latent projections stay replicated and are computed once per rank.
+
+Bit-exactness with a single device: each (token, top-k slot) output is computed by exactly one rank into its own
+slot of a zero buffer, so the cross-rank SUM only ever adds zeros (exact), and the k slots are then summed in a
+fixed order on every rank. Each expert runs on the tokens of one source rank at a time, so its matmuls see the same
+rows as on a single device that processes the same sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.model.common.utils import resolve_expert_ep_range
+from msmodelslim.model.kimi_k3.experts import KimiExpertMLP
+
+logger = logging.getLogger(__name__)
+
+_EP_ATTR = "_msmodelslim_ep"
+
+
+@dataclass
+class _BlockEP:
+    dist: DistContext
+    expert_width: int  # input width of a routed expert (latent size for a latent MoE)
+    top_k: int
+
+
+def is_native_moe(block: nn.Module) -> bool:
+    """transformers' native Kimi-Linear MoE: router `gate` returns (logits, weights, indices)."""
+    return type(block).__module__.startswith("transformers.models.kimi_linear")
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("gate", "experts", "shared_experts"))
+
+
+def _gather_rows(t: torch.Tensor, dist: DistContext) -> list[torch.Tensor]:
+    """All ranks' row blocks of a 2-D fp32 tensor (row counts may differ)."""
+    count = torch.tensor([t.shape[0]], dtype=torch.int64, device=dist.device)
+    counts = [torch.zeros_like(count) for _ in range(dist.world_size)]
+    torch_dist.all_gather(counts, count)
+    sizes = [int(c.item()) for c in counts]
+    padded = t.new_zeros((max(sizes), t.shape[1]))
+    padded[: t.shape[0]] = t
+    blocks = [torch.empty_like(padded) for _ in range(dist.world_size)]
+    torch_dist.all_gather(blocks, padded.contiguous())
+    return [b[:n] for b, n in zip(blocks, sizes)]
+
+
+def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                 dist: DistContext) -> torch.Tensor:
+    """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index."""
+    k = topk_idx.shape[-1]
+    width = x.shape[-1]
+    if dist.is_distributed:
+        packed = torch.cat([x.float(), topk_idx.float(), topk_weight.float()], dim=1).to(dist.device)
+        sources = [(b[:, :width].to(x.dtype), b[:, width : width + k].long(), b[:, width + k :])
+                   for b in _gather_rows(packed, dist)]
+    else:
+        sources = [(x, topk_idx, topk_weight.float())]
+
+    slots = []
+    for xs, idx, w in sources:
+        out = torch.zeros((xs.shape[0], k, width), dtype=torch.float32, device=x.device)
+        for key, expert in experts.items():
+            rows, cols = torch.nonzero(idx == int(key), as_tuple=True)
+            if rows.numel():
+                out[rows, cols] = expert(xs[rows]).float() * w[rows, cols, None]
+        slots.append(out)
+    if dist.is_distributed:
+        flat = torch.cat([s.reshape(-1) for s in slots])
+        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
+        mine = flat[sum(s.numel() for s in slots[: dist.rank]):][: slots[dist.rank].numel()]
+        own = mine.view_as(slots[dist.rank])
+    else:
+        own = slots[0]
+    return own.sum(dim=1).to(x.dtype)
+
+
+def _standin_moe_infer(self: nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weight: torch.Tensor) -> torch.Tensor:
+    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, getattr(self, _EP_ATTR).dist)
+
+
+def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    shape = hidden_states.shape
+    _, topk_weight, topk_idx = self.gate(hidden_states)
+    flat = hidden_states.reshape(-1, shape[-1])
+    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, getattr(self, _EP_ATTR).dist)
+    return routed.view(shape) + self.shared_experts(hidden_states)
+
+
+def ep_idle(block: nn.Module) -> None:
+    """Join the routed-expert collectives of `block` with zero tokens (a rank that ran out of samples)."""
+    ep: _BlockEP = getattr(block, _EP_ATTR)
+    device = next(iter(block.experts.values())).w1.weight.device
+    dtype = next(iter(block.experts.values())).w1.weight.dtype
+    x = torch.empty((0, ep.expert_width), device=device, dtype=dtype)
+    idx = torch.empty((0, ep.top_k), device=device, dtype=torch.long)
+    ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist)
+
+
+@dataclass
+class EPHandle:
+    """Undo information of `apply_ep_patches`."""
+
+    restore_methods: list[tuple[type, str, Callable]] = field(default_factory=list)
+    restore_experts: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
+
+    def undo(self) -> None:
+        for cls, name, original in reversed(self.restore_methods):
+            setattr(cls, name, original)
+        for block, experts in self.restore_experts:
+            block.experts = experts
+            delattr(block, _EP_ATTR)
+        self.restore_methods.clear()
+        self.restore_experts.clear()
+
+    def __enter__(self) -> EPHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
+def _local_experts(block: nn.Module, local: range, num_experts: int, moe_intermediate_size: int) -> nn.ModuleDict:
+    experts = block.experts
+    if isinstance(experts, nn.ModuleList):  # remote code: one module per expert
+        if len(experts) != num_experts:
+            raise ValueError(f"MoE block has {len(experts)} experts, config says num_experts={num_experts}")
+        return nn.ModuleDict({str(e): experts[e] for e in local})
+    if hasattr(experts, "gate_up_proj"):  # native transformers: fused 3-D experts -> one module per expert
+        param = experts.gate_up_proj
+        width = param.shape[-1]
+        return nn.ModuleDict({str(e): KimiExpertMLP(width, moe_intermediate_size, device=param.device,
+                                                    dtype=param.dtype) for e in local})
+    raise TypeError(f"unsupported experts container {type(experts).__name__}")
+
+
+def apply_ep_patches(model: nn.Module, text_config: object, dist: DistContext = SINGLE) -> EPHandle:
+    """Keep only this rank's experts in every MoE block of `model` and patch the MoE classes' forward.
+
+    Also used with one device: the same code path then runs with no collectives, which is what makes a W-rank run
+    reproduce the single-device bytes.
+    """
+    num_experts = int(text_config.num_experts)
+    local = resolve_expert_ep_range(num_experts, dist.rank, dist.world_size)
+    top_k = int(text_config.num_experts_per_token if hasattr(text_config, "num_experts_per_token")
+                else text_config.num_experts_per_tok)
+    handle = EPHandle()
+    patched: set[type] = set()
+    blocks = [m for m in model.modules() if is_moe_block(m)]
+    for block in blocks:
+        cls = type(block)
+        if cls not in patched:
+            name, fn = ("forward", _native_forward) if is_native_moe(block) else ("moe_infer", _standin_moe_infer)
+            if not hasattr(cls, name):
+                raise TypeError(f"{cls.__name__} has no {name}(); cannot patch it for expert parallelism")
+            handle.restore_methods.append((cls, name, cls.__dict__.get(name, getattr(cls, name))))
+            setattr(cls, name, fn)
+            patched.add(cls)
+        original = block.experts
+        block.experts = _local_experts(block, local, num_experts, int(text_config.moe_intermediate_size))
+        width = next(iter(block.experts.values())).w1.in_features
+        setattr(block, _EP_ATTR, _BlockEP(dist=dist, expert_width=width, top_k=top_k))
+        handle.restore_experts.append((block, original))
+    logger.info("expert parallelism: rank %d/%d holds experts %d..%d of %d in %d MoE blocks", dist.rank,
+                dist.world_size, local.start, local.stop - 1, num_experts, len(blocks))
+    return handle

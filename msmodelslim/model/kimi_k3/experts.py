@@ -1,0 +1,26 @@
+"""Per-expert modules for checkpoints whose runtime class fuses the routed experts into 3-D tensors.
+
+transformers' native Kimi-Linear keeps all experts in two fused parameters; quantization needs one nn.Linear per
+expert projection (w1 gate, w3 up, w2 down), named as in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class KimiExpertMLP(nn.Module):
+    """One routed expert: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype, "bias": False}
+        self.w1 = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
