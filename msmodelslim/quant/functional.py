@@ -1,0 +1,133 @@
+"""Quantizer math on tensors: symmetric integer quantization, per-token fake quantization, ssz scale search.
+
+Nothing here knows about modules. All arithmetic is done in float32 (or float64 when the input is float64);
+results are `q` (torch.int8 holding the integer values) and `scale` (float32, broadcastable against `q` except
+for PerGroup, see `dequantize`). Dequantised value = q * scale. Symmetric: no zero point (offset is 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerGroup, PerTensor, PerToken, int_dtype
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _as_dtype(bits: int | str | IntDtype) -> IntDtype:
+    return bits if isinstance(bits, IntDtype) else int_dtype(bits)
+
+
+def _absmax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """max |x| reduced as the granularity says, with keepdim shapes ready for broadcasting."""
+    if isinstance(granularity, PerTensor):
+        return x.abs().amax().reshape([1] * max(x.dim(), 1))
+    if isinstance(granularity, (PerChannel, PerToken)):
+        # PerChannel: weight rows [out, in] -> [out, 1]; PerToken: [..., d] -> [..., 1]. Only the last dim is reduced.
+        return x.abs().amax(dim=-1, keepdim=True)
+    if isinstance(granularity, PerGroup):
+        g = granularity.group_size
+        if x.shape[-1] % g:
+            raise ValueError(f"last dim {x.shape[-1]} is not divisible by group_size {g}")
+        return x.reshape(*x.shape[:-1], x.shape[-1] // g, g).abs().amax(dim=-1)
+    raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def _expand_scale(scale: torch.Tensor, like: torch.Tensor, granularity: Granularity | None) -> torch.Tensor:
+    if isinstance(granularity, PerGroup):
+        return scale.repeat_interleave(granularity.group_size, dim=-1)
+    return scale
+
+
+def minmax_scale(x: torch.Tensor, bits: int | str | IntDtype, granularity: Granularity) -> torch.Tensor:
+    """Symmetric min/max scale absmax / qmax; an all-zero slice gets scale 1 (its integers are 0 anyway)."""
+    d = _as_dtype(bits)
+    amax = _absmax(x.to(_work_dtype(x)), granularity)
+    scale = amax / d.qmax
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype,
+                        granularity: Granularity | None = None) -> torch.Tensor:
+    """q = clamp(round(x / scale), qmin, qmax) as torch.int8 (round half to even, like torch.round)."""
+    d = _as_dtype(bits)
+    xw = x.to(_work_dtype(x))
+    s = _expand_scale(scale.to(xw.dtype), xw, granularity)
+    return torch.clamp(torch.round(xw / s), d.qmin, d.qmax).to(torch.int8)
+
+
+def quantize_symmetric(w: torch.Tensor, bits: int | str | IntDtype,
+                       granularity: Granularity | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max symmetric quantization (default PerChannel): returns (q int8 tensor, scale float32)."""
+    granularity = PerChannel() if granularity is None else granularity
+    scale = minmax_scale(w, bits, granularity)
+    q = quantize_with_scale(w, scale, bits, granularity)
+    return q, scale.to(torch.float32)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: Granularity | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale in float32 (PerGroup scales are expanded along the last dim), cast to `dtype`."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    s = _expand_scale(scale.to(work), q, granularity)
+    return (q.to(work) * s).to(dtype)
+
+
+def fake_quant_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> torch.Tensor:
+    """Quantise-dequantise with one symmetric scale per token (row over the LAST dim only), in x's dtype.
+
+    The public msModelSlim reduces over all dims here (per-tensor); runtime dynamic quantization is per token.
+    """
+    if x.numel() == 0:
+        return x
+    d = _as_dtype(bits)
+    xw = x.to(_work_dtype(x))
+    scale = minmax_scale(xw, d, PerToken())
+    q = torch.clamp(torch.round(xw / scale), d.qmin, d.qmax)
+    return (q * scale).to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization as the runtime does it: (q int8 [..., d], scale float32 [..., 1])."""
+    return quantize_symmetric(x, bits, PerToken())
+
+
+def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 50) -> torch.Tensor:
+    """Per-channel symmetric scales refined by alternating least squares ("ssz"), starting from min/max.
+
+    For each row: q = clamp(round(w / s)); s = <w, q> / <q, q> (the least-squares scale for fixed q); repeat.
+    Each step cannot increase the row's error ||w - s q||^2 (rounding is the best q for s, the projection the best
+    s for q), but the best scale seen per row is kept anyway, so the result is never worse than min/max.
+    Returns float32 scales [out, 1]; stops early when no row's scale changes.
+    """
+    d = _as_dtype(bits)
+    work = _work_dtype(w)
+    w2 = w.to(work).reshape(w.shape[0], -1)
+    s = minmax_scale(w2, d, PerChannel())
+
+    def error(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.clamp(torch.round(w2 / scale), d.qmin, d.qmax)
+        return ((w2 - q * scale) ** 2).sum(dim=-1, keepdim=True), q
+
+    best_err, q = error(s)
+    best_s = s.clone()
+    for _ in range(iters):
+        qq = (q * q).sum(dim=-1, keepdim=True)
+        wq = (w2 * q).sum(dim=-1, keepdim=True)
+        new_s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1), s)
+        if torch.equal(new_s, s):
+            break
+        s = new_s
+        err, q = error(s)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+    return best_s.to(torch.float32)
+
+
+def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) -> torch.Tensor:
+    """Per-row squared error ||w - dequant(quant(w))||^2 for per-channel scales [out, 1] (float64)."""
+    q = quantize_with_scale(w.double(), scale.double(), bits)
+    return ((w.double() - q.double() * scale.double()) ** 2).sum(dim=-1)

@@ -1,0 +1,146 @@
+"""QuantLinear: the deployed computation of a dynamically quantized linear, used during and after calibration.
+
+Forward (what vLLM-Ascend computes for W8A8_DYNAMIC / W4A8_DYNAMIC):
+    x  <- x @ online_rotation                      (if the layer has one; row-vector convention, see below)
+    qx, sx = per-token symmetric quantization of x  (one scale per token over the last dim, int8 or int4)
+    y  = (qx @ qweight^T) * sx * weight_scale^T    (integer products accumulated in float32), cast to x's dtype
+    y += bias
+so the next unit calibrates on what inference will see.
+
+Online rotation convention (shared with the QuaRot processor): a linear whose input must be rotated at run time
+carries a registered buffer `online_rotation` R [in, in]; the runtime input is `x @ R` (x a row vector), and the
+weight was already rotated offline so that `(x @ R) @ W'^T == x @ W^T`. A plain `nn.Linear` may carry the same
+buffer; `QuantLinear.from_linear` carries it over, and the saver writes it as `<linear>.online_rotation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from msmodelslim.quant.functional import (
+    dequantize,
+    quantize_per_token,
+    quantize_symmetric,
+    quantize_with_scale,
+    ssz_scale_search,
+)
+from msmodelslim.quant.granularity import IntDtype, PerChannel, int4, int8
+
+ONLINE_ROTATION = "online_rotation"
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A dynamic (per-token activation) scheme with per-channel symmetric weights; `name` is its AscendV1 type."""
+
+    name: str
+    weight: IntDtype
+    act: IntDtype
+
+
+W8A8_DYNAMIC = QuantScheme("W8A8_DYNAMIC", int8, int8)
+W4A8_DYNAMIC = QuantScheme("W4A8_DYNAMIC", int4, int8)
+W4A4_DYNAMIC = QuantScheme("W4A4_DYNAMIC", int4, int4)  # stress variant: int4 per-token activations
+SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC)}
+WEIGHT_METHODS = ("ssz", "minmax")
+
+
+def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
+    return SCHEMES[scheme]
+
+
+def scheme_for(weight: IntDtype, act: IntDtype) -> QuantScheme:
+    """The scheme with these weight / activation dtypes (ValueError when there is none)."""
+    for s in SCHEMES.values():
+        if s.weight == weight and s.act == act:
+            return s
+    raise ValueError(f"no dynamic scheme with {weight.name} weights and {act.name} activations")
+
+
+def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x @ R computed in float32, returned in x's dtype (the runtime rotates in the activation dtype's range)."""
+    return (x.to(torch.float32) @ rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+
+
+def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz",
+                    ssz_iters: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1])."""
+    if method == "minmax":
+        return quantize_symmetric(w, dtype, PerChannel())
+    if method == "ssz":
+        scale = ssz_scale_search(w, dtype, iters=ssz_iters)
+        return quantize_with_scale(w, scale, dtype), scale
+    raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
+
+
+class QuantLinear(nn.Module):
+    """A linear with per-channel symmetric integer weights and dynamic per-token activation quantization.
+
+    Buffers: `qweight` int8 [out, in] (integer values, int4 ones in [-8, 7], unpacked), `weight_scale` float32
+    [out, 1], optional `bias` (compute dtype) and optional `online_rotation` [in, in].
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: str | QuantScheme, qweight: torch.Tensor,
+                 weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 online_rotation: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = get_scheme(scheme)
+        self.compute_dtype = compute_dtype
+        if tuple(qweight.shape) != (out_features, in_features) or qweight.dtype != torch.int8:
+            raise ValueError(f"qweight must be int8 [{out_features}, {in_features}], got {qweight.dtype} "
+                             f"{list(qweight.shape)}")
+        if tuple(weight_scale.shape) != (out_features, 1):
+            raise ValueError(f"weight_scale must be [{out_features}, 1], got {list(weight_scale.shape)}")
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", weight_scale.to(torch.float32))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(compute_dtype))
+        if online_rotation is not None and tuple(online_rotation.shape) != (in_features, in_features):
+            raise ValueError(f"online_rotation must be [{in_features}, {in_features}], "
+                             f"got {list(online_rotation.shape)}")
+        self.register_buffer(ONLINE_ROTATION, online_rotation)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
+                    ssz_iters: int = 50) -> QuantLinear:
+        """Quantize `linear`'s weight per channel (on its device) and carry over bias and online rotation."""
+        sch = get_scheme(scheme)
+        w = linear.weight.detach()
+        q, scale = quantize_weight(w, sch.weight, weight_method, ssz_iters)
+        rot = getattr(linear, ONLINE_ROTATION, None)
+        return cls(linear.in_features, linear.out_features, sch, q, scale,
+                   bias=None if linear.bias is None else linear.bias.detach(),
+                   online_rotation=None if rot is None else rot.detach().clone(), compute_dtype=w.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """qweight * weight_scale (float32 math), cast to `dtype`."""
+        return dequantize(self.qweight, self.weight_scale, dtype=dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dequantised weight in the compute dtype, for model code that reads `.weight.dtype` / `.weight.device`."""
+        return self.dequantized_weight(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype
+        if self.online_rotation is not None:
+            x = apply_online_rotation(x, self.online_rotation)
+        qx, sx = quantize_per_token(x, self.scheme.act)
+        acc = qx.to(torch.float32) @ self.qweight.to(torch.float32).t()
+        y = (acc * sx * self.weight_scale.t()).to(out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        rot = ", online_rotation" if self.online_rotation is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+                f"bias={self.bias is not None}{rot}")

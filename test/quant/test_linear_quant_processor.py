@@ -1,0 +1,118 @@
+"""linear_quant: config validation and include/exclude on checkpoint names of a toy unit."""
+
+import pytest
+import torch
+from torch import nn
+
+from msmodelslim.core.dist import SINGLE
+from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.processor.base import PROCESSORS
+from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
+from msmodelslim.quant import QuantLinear
+
+W4A8 = {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+        "weight": {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "ssz"}}
+W8A8 = {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+        "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"}}
+
+
+class ToyAdapter(ModelAdapter):
+    def __init__(self):
+        super().__init__("toy")
+
+    def units(self):
+        return []
+
+    def load_unit(self, unit, device, reader=None):
+        raise NotImplementedError
+
+    def prepare_samples(self, records):
+        return []
+
+    def forward_unit(self, unit, module, state):
+        return state
+
+    def checkpoint_name(self, unit, live_name):
+        return unit.prefix + live_name
+
+    def checkpoint_state(self, unit, module):
+        return iter(())
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = nn.ModuleDict({"q_proj": nn.Linear(16, 16), "o_proj": nn.Linear(16, 16)})
+        self.block_sparse_moe = nn.Module()
+        self.block_sparse_moe.gate = nn.Linear(16, 4, bias=False)
+        self.block_sparse_moe.experts = nn.ModuleList(
+            nn.ModuleDict({"w1": nn.Linear(16, 8), "w2": nn.Linear(8, 16), "w3": nn.Linear(16, 8)}) for _ in range(2))
+        self.block_sparse_moe.shared_experts = nn.ModuleDict({"up_proj": nn.Linear(16, 8)})
+        self.input_layernorm = nn.LayerNorm(16)
+
+
+def _ctx(module, kind="decoder", prefix="language_model.model.layers.0."):
+    unit = Unit(name="layers.0" if kind == "decoder" else kind, kind=kind, prefix=prefix, index=0)
+    return UnitContext(unit=unit, module=module, adapter=ToyAdapter(), dist=SINGLE, run_samples=lambda: None)
+
+
+def _schemes(module):
+    return {n: m.scheme.name for n, m in module.named_modules() if isinstance(m, QuantLinear)}
+
+
+def test_registered_under_yaml_type():
+    assert PROCESSORS["linear_quant"] is LinearQuantProcessor
+    assert LinearQuantProcessor.config_cls is LinearQuantConfig
+
+
+def test_two_entries_compose_experts_w4a8_rest_w8a8():
+    """Practice order: experts W4A8 (shared excluded) then the rest W8A8; the already quantized experts are skipped."""
+    torch.manual_seed(0)
+    layer = Layer()
+    ctx = _ctx(layer)
+    LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
+                         ctx.adapter).process_unit(ctx)
+    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["*self_attn*", "*shared_experts*"]),
+                         ctx.adapter).process_unit(ctx)
+    got = _schemes(layer)
+    expected = {f"block_sparse_moe.experts.{e}.{w}": "W4A8_DYNAMIC" for e in range(2) for w in ("w1", "w2", "w3")}
+    expected.update({"self_attn.q_proj": "W8A8_DYNAMIC", "self_attn.o_proj": "W8A8_DYNAMIC",
+                     "block_sparse_moe.shared_experts.up_proj": "W8A8_DYNAMIC"})
+    assert got == expected
+    assert isinstance(layer.block_sparse_moe.gate, nn.Linear)  # the router stays float
+    out = layer.block_sparse_moe.experts[0].w1(torch.randn(3, 16))
+    assert out.shape == (3, 8)
+
+
+def test_catch_all_include_does_not_touch_head_or_vision_units():
+    """Non-decoder units need an include glob that starts with their checkpoint prefix."""
+    head = nn.Module()
+    head.lm_head = nn.Linear(16, 32)
+    ctx = _ctx(head, kind="head", prefix="language_model.")
+    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8), ctx.adapter).process_unit(ctx)
+    assert isinstance(head.lm_head, nn.Linear)
+    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["language_model.lm_head"]),
+                         ctx.adapter).process_unit(ctx)
+    assert isinstance(head.lm_head, QuantLinear)
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"qconfig": {**W8A8, "act": {**W8A8["act"], "scope": "per_tensor"}}}, "act.scope"),
+    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "dtype": "int3"}}}, "weight.dtype"),
+    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}}}, "weight.method"),
+    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "symmetric": False}}}, "weight.symmetric"),
+    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "granularity": 1}}}, "qconfig.weight"),
+    ({"qconfig": {**W8A8, "act": {**W8A8["act"], "dtype": "int4"}}}, "qconfig"),  # W8A4 has no scheme
+    ({"include": "*experts*"}, "include"),
+    ({"exclude": [1]}, "exclude"),
+])
+def test_bad_config_is_value_error_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        LinearQuantConfig(**{"qconfig": W8A8, **bad})
+
+
+def test_defaults_are_w8a8_include_all():
+    cfg = LinearQuantConfig()
+    assert cfg.scheme.name == "W8A8_DYNAMIC" and cfg.include == ["*"] and cfg.exclude == []
+    assert LinearQuantConfig(qconfig=W4A8).scheme.name == "W4A8_DYNAMIC"
