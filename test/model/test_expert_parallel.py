@@ -1,0 +1,60 @@
+"""Expert parallelism: which experts a rank owns, and the patched MoE forward of the checkpoint's own class."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.models.kimi_linear import modeling_kimi_linear as native
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+from msmodelslim.model.common.utils import resolve_expert_ep_range
+from msmodelslim.model.kimi_k3.ep_patches import apply_ep_patches
+
+
+def test_expert_ranges_are_contiguous_and_cover_all_experts():
+    ranges = [resolve_expert_ep_range(896, r, 8) for r in range(8)]
+    assert ranges[0] == range(0, 112) and ranges[7] == range(784, 896)
+    assert [e for r in ranges for e in r] == list(range(896))
+
+
+@pytest.mark.parametrize("experts,world", [(16, 3), (10, 4)])
+def test_expert_count_not_divisible_by_world_size_is_a_clear_error(experts, world):
+    with pytest.raises(ValueError, match=f"num_experts={experts} is not divisible by the number of devices"):
+        resolve_expert_ep_range(experts, 0, world)
+
+
+def _native_moe(seed: int = 0) -> tuple[native.KimiLinearMoE, KimiLinearConfig]:
+    config = KimiLinearConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_token=3,
+                              num_shared_experts=1, num_hidden_layers=1, vocab_size=32)
+    torch.manual_seed(seed)
+    moe = native.KimiLinearMoE(config).float()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe.gate.e_score_correction_bias.normal_(std=0.1)
+    return moe, config
+
+
+def _load_fused_into_per_expert(fused: native.KimiLinearMoE, patched: native.KimiLinearMoE) -> None:
+    inter = fused.experts.intermediate_dim
+    for key, expert in patched.experts.items():
+        e = int(key)
+        expert.w1.weight.data = fused.experts.gate_up_proj.data[e, :inter].clone()
+        expert.w3.weight.data = fused.experts.gate_up_proj.data[e, inter:].clone()
+        expert.w2.weight.data = fused.experts.down_proj.data[e].clone()
+
+
+def test_patched_native_moe_matches_transformers_forward_and_undo_restores_it():
+    """Reference: transformers' own KimiLinearMoE forward (fp32); tolerance 1e-5 (fp32 summation order)."""
+    moe, config = _native_moe()
+    x = torch.randn(2, 7, 64)
+    reference = moe(x)
+    patched = copy.deepcopy(moe)
+    handle = apply_ep_patches(patched, config)
+    assert sorted(patched.experts.keys(), key=int) == [str(e) for e in range(8)]
+    _load_fused_into_per_expert(moe, patched)
+    torch.testing.assert_close(patched(x), reference, rtol=1e-5, atol=1e-5)
+    handle.undo()
+    assert native.KimiLinearMoE.forward.__module__ == native.__name__
+    torch.testing.assert_close(moe(x), reference)
