@@ -1,10 +1,19 @@
 from setuptools import find_packages, setup
 
+# config/, lab_practice/ and lab_calib/ stay at the top level (where msModelSlim users look for them) and ship in
+# the wheel as msmodelslim/resources/<folder>/ (msmodelslim.app.resources.resource_path finds either place).
+RESOURCES = {
+    "config": ["*.ini"],
+    "lab_practice": ["*.md", "*/*.yaml", "*/*/*.yaml"],
+    "lab_calib": ["*.md", "*.py", "*/*.jsonl", "*/*.md", "*/images/*.png"],
+}
+
 setup(
     name="msmodelslim",
     version="0.1.0",
     description="Post-training quantization toolkit (msModelSlim style) for Kimi-K3 and friends",
-    packages=find_packages(include=["msmodelslim", "msmodelslim.*"]),
+    packages=find_packages(include=["msmodelslim", "msmodelslim.*"]) + [f"msmodelslim.resources.{r}" for r in RESOURCES],
+    package_dir={f"msmodelslim.resources.{r}": r for r in RESOURCES},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6,<2.15",
@@ -15,6 +24,7 @@ setup(
         "pyyaml>=6.0,<7",
         "tqdm>=4.66,<5",
         "pillow>=10,<14",
+        "packaging>=23,<27",
     ],
     extras_require={
         # fla-core imports `triton` at module import time, also on CPU hosts.
@@ -23,6 +33,6 @@ setup(
         "npu": ["torch_npu"],
     },
     include_package_data=True,
-    package_data={"msmodelslim": ["resources/**/*"]},
+    package_data={f"msmodelslim.resources.{r}": globs for r, globs in RESOURCES.items()},
     entry_points={"console_scripts": ["msmodelslim=msmodelslim.cli.main:main"]},
 )

@@ -1,0 +1,417 @@
+"""The practice YAML schema: parsed strictly, so a typo is an error naming the file and key, never a silent default.
+
+```yaml
+apiversion: multimodal_vlm_modelslim_v1        # or modelslim_v1 (text service)
+metadata: {config_id, score, verified_model_types: [...], label: {w_bit, a_bit, is_sparse, kv_cache}}
+spec:
+  runner: auto                                 # auto | layer_wise | dp_layer_wise
+  process: [{type: <processor>, <fields of its config dataclass>}, ...]
+  dataset: calibImages                         # lab_calib short name, or a path (jsonl file / dir with index.jsonl)
+  default_text: "Describe this image."         # text of image-only samples (required for the multimodal service)
+  max_samples: 16                              # optional
+  max_seq_len: 512                             # optional
+  save: [{type: ascendv1_saver, part_file_size: 4}]
+```
+`spec.process` / `spec.save` become lists of `Entry(type, config)`. Processor and saver entries are built generically from the config dataclass registered under their `type`
+(`processor.base.PROCESSORS`, `processor.save.base.SAVERS`): keys are checked against `dataclasses.fields`, values
+against the field type hints (nested dataclasses, lists, tuples, dicts, Literal, Optional), then `.validate()` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from msmodelslim.errors import UserError
+
+APIVERSIONS = ("modelslim_v1", "multimodal_vlm_modelslim_v1")
+MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
+RUNNERS = ("auto", "layer_wise", "dp_layer_wise")
+
+
+class PracticeError(UserError):
+    """A practice YAML that does not match the schema."""
+
+
+class _SchemaError(Exception):
+    """Raised inside the builder with the key path; the loader adds the file name."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.message = message
+
+
+# --- schema --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Label:
+    """What a practice produces; `quant_type` (the --quant_type it answers) is derived from it."""
+
+    w_bit: int
+    a_bit: int
+    is_sparse: bool = False
+    kv_cache: bool = False
+
+    def validate(self) -> None:
+        if self.w_bit not in (2, 3, 4, 8, 16):
+            raise ValueError(f"w_bit must be one of 2, 3, 4, 8, 16, got {self.w_bit}")
+        if self.a_bit not in (4, 8, 16):
+            raise ValueError(f"a_bit must be one of 4, 8, 16, got {self.a_bit}")
+
+    @property
+    def quant_type(self) -> str:
+        """`w{w_bit}a{a_bit}`, plus `s` for sparse and `c8` for an int8 KV cache (w8a8s, w4a8c8, ...)."""
+        return f"w{self.w_bit}a{self.a_bit}" + ("s" if self.is_sparse else "") + ("c8" if self.kv_cache else "")
+
+
+@dataclass(frozen=True)
+class Metadata:
+    config_id: str
+    score: float
+    verified_model_types: list[str]
+    label: Label
+
+    def validate(self) -> None:
+        if not self.config_id.strip():
+            raise ValueError("config_id must not be empty")
+        if not self.verified_model_types:
+            raise ValueError("verified_model_types must list at least one model type")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One `spec.process` / `spec.save` item: its registry name and its validated config dataclass."""
+
+    type: str  # key of PROCESSORS / SAVERS
+    config: Any  # instance of PROCESSORS[type].config_cls (or SAVERS[type].config_cls)
+
+
+@dataclass
+class Spec:
+    process: list[Entry]  # processors in YAML order
+    dataset: str
+    save: list[Entry]
+    runner: Literal["auto", "layer_wise", "dp_layer_wise"] = "auto"
+    default_text: str = ""
+    max_samples: int | None = None
+    max_seq_len: int | None = None
+
+    def validate(self) -> None:
+        if not self.dataset.strip():
+            raise ValueError("dataset must not be empty")
+        for name in ("max_samples", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass
+class PracticeConfig:
+    apiversion: Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]
+    metadata: Metadata
+    spec: Spec
+    path: Path | None = field(default=None, init=False)  # the file it was read from
+
+    @property
+    def quant_type(self) -> str:
+        return self.metadata.label.quant_type
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.apiversion == MULTIMODAL_APIVERSION
+
+
+@dataclass(frozen=True)
+class PracticeHeader:
+    """apiversion + metadata only: enough to choose a practice without building its processors."""
+
+    apiversion: str
+    metadata: Metadata
+    path: Path
+
+    @property
+    def quant_type(self) -> str:
+        return self.metadata.label.quant_type
+
+
+# --- YAML reading --------------------------------------------------------------------------------------------
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PracticeError(f"practice file not found: {path}") from None
+    except IsADirectoryError:
+        raise PracticeError(f"practice path is a directory, expected a YAML file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PracticeError(f"cannot read practice file {path}: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise PracticeError(f"{where}: invalid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise PracticeError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PracticeError(f"{path}: the top level must be a mapping with apiversion, metadata and spec")
+    return data
+
+
+# --- the generic dataclass builder ---------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` (from YAML) against the type hint `tp`; return it converted (lists -> tuples, etc.)."""
+    if tp is Any or tp is object:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _SchemaError(path, f"must not be null; expected {_type_name(tp)}")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except _SchemaError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise _SchemaError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in args or type(value) not in {type(a) for a in args}:
+            raise _SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(map(str, args))}")
+        return value
+    if value is None:
+        raise _SchemaError(path, f"must not be null; expected {_type_name(tp)}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _SchemaError(path, f"expected a list, got {type(value).__name__} {value!r}")
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise _SchemaError(path, f"expected a list of {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value)))
+        item_tp = args[0] if args else Any
+        items = [_convert(item_tp, v, _join(path, i)) for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise _SchemaError(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _convert(key_tp, k, _join(path, str(k))): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return build_dataclass(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        for member in tp:
+            if value == member.value or value == member.name:
+                return member
+        raise _SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(str(m.value) for m in tp)}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _SchemaError(path, f"expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _SchemaError(path, f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _SchemaError(path, f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _SchemaError(path, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if tp is Path:
+        if not isinstance(value, str):
+            raise _SchemaError(path, f"expected a path string, got {type(value).__name__} {value!r}")
+        return Path(value)
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise _SchemaError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported type hint {tp!r} in a config dataclass")
+
+
+def _unknown_key_message(key: Any, allowed: list[str]) -> str:
+    message = f"unknown key; expected one of {', '.join(allowed) if allowed else '(no keys)'}"
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    return message + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def build_dataclass(
+    cls: type,
+    data: Any,
+    path: str = "",
+    custom: Mapping[str, Callable[[Any, str], Any]] | None = None,
+) -> Any:
+    """Build dataclass `cls` from a YAML mapping: unknown keys, missing required keys and wrong types are errors.
+
+    `custom` maps a field name to its own converter (value, key path) -> value. `.validate()` runs last; its
+    ValueError/TypeError becomes an error at `path`.
+    """
+    if not isinstance(data, Mapping):
+        raise _SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+    allowed = [f.name for f in fields]
+    for key in data:
+        if key not in allowed:
+            raise _SchemaError(_join(path, str(key)), _unknown_key_message(key, allowed))
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        key_path = _join(path, f.name)
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _SchemaError(key_path, "required key is missing")
+            continue
+        converter = (custom or {}).get(f.name)
+        kwargs[f.name] = converter(data[f.name], key_path) if converter else _convert(hints[f.name], data[f.name], key_path)
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise _SchemaError(path, str(exc)) from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except (TypeError, ValueError) as exc:
+            raise _SchemaError(path, str(exc)) from None
+    return obj
+
+
+def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[Entry]:
+    """`[{type: name, ...fields}, ...]` -> Entry(name, registry[name].config_cls built from the fields)."""
+    if not isinstance(value, list):
+        raise _SchemaError(path, f"expected a list of {{type: ..., ...}} entries, got {type(value).__name__}")
+    if not value:
+        raise _SchemaError(path, f"empty; at least one {kind} is required")
+    entries = []
+    known = ", ".join(sorted(registry)) or "(none registered)"
+    for i, entry in enumerate(value):
+        entry_path = _join(path, i)
+        if not isinstance(entry, Mapping):
+            raise _SchemaError(entry_path, f"expected a mapping with a 'type' key, got {type(entry).__name__} {entry!r}")
+        if "type" not in entry:
+            raise _SchemaError(_join(entry_path, "type"), f"required key is missing; expected one of {known}")
+        name = entry["type"]
+        if not isinstance(name, str) or name not in registry:
+            close = difflib.get_close_matches(str(name), list(registry), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise _SchemaError(_join(entry_path, "type"), f"unknown {kind} type {name!r}; expected one of {known}{hint}")
+        fields = {k: v for k, v in entry.items() if k != "type"}
+        entries.append(Entry(name, build_dataclass(registry[name].config_cls, fields, entry_path)))
+    return entries
+
+
+def _registries() -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    import msmodelslim.processor.catalog  # noqa: F401 - fills the registries
+    from msmodelslim.processor.base import PROCESSORS
+    from msmodelslim.processor.save.base import SAVERS
+
+    return PROCESSORS, SAVERS
+
+
+def _check_top_keys(data: Mapping[str, Any], required: tuple[str, ...]) -> None:
+    allowed = ["apiversion", "metadata", "spec"]
+    for key in data:
+        if key not in allowed:
+            raise _SchemaError(str(key), _unknown_key_message(key, allowed))
+    for key in required:
+        if key not in data:
+            raise _SchemaError(key, "required key is missing")
+
+
+def _header(data: Mapping[str, Any]) -> tuple[str, Metadata]:
+    apiversion = _convert(Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"], data["apiversion"], "apiversion")
+    metadata = build_dataclass(Metadata, data["metadata"], "metadata")
+    return apiversion, metadata
+
+
+def load_practice_header(path: str | Path) -> PracticeHeader:
+    """Read and validate only `apiversion` and `metadata` (used to rank practices for a --quant_type)."""
+    path = Path(path)
+    data = _read_yaml(path)
+    try:
+        _check_top_keys(data, ("apiversion", "metadata", "spec"))
+        apiversion, metadata = _header(data)
+    except _SchemaError as exc:
+        raise PracticeError(f"{path}: {exc}") from None
+    return PracticeHeader(apiversion, metadata, path)
+
+
+def load_practice(
+    path: str | Path,
+    processors: Mapping[str, Any] | None = None,
+    savers: Mapping[str, Any] | None = None,
+) -> PracticeConfig:
+    """Parse and validate a practice YAML. Errors are `PracticeError("<file>: <key path>: <problem>")`.
+
+    `processors` / `savers` default to the global registries (filled by `msmodelslim.processor.catalog`).
+    """
+    path = Path(path)
+    data = _read_yaml(path)
+    if processors is None or savers is None:
+        default_processors, default_savers = _registries()
+        processors = default_processors if processors is None else processors
+        savers = default_savers if savers is None else savers
+
+    def process_entries(value: Any, key_path: str) -> list[Entry]:
+        return _build_entries(value, key_path, processors, "processor")
+
+    def save_entries(value: Any, key_path: str) -> list[Entry]:
+        return _build_entries(value, key_path, savers, "saver")
+
+    try:
+        _check_top_keys(data, ("apiversion", "metadata", "spec"))
+        apiversion, metadata = _header(data)
+        spec = build_dataclass(Spec, data["spec"], "spec", custom={"process": process_entries, "save": save_entries})
+        if apiversion == MULTIMODAL_APIVERSION and not spec.default_text.strip():
+            raise _SchemaError("spec.default_text", f"required (non-empty) for apiversion {MULTIMODAL_APIVERSION}")
+    except _SchemaError as exc:
+        raise PracticeError(f"{path}: {exc}") from None
+    practice = PracticeConfig(apiversion=apiversion, metadata=metadata, spec=spec)
+    practice.path = path
+    return practice

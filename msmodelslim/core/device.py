@@ -1,0 +1,104 @@
+"""`--device` parsing: "npu:0,1" / "cuda:0,1" / "cpu:0,1" -> which devices, how many processes, which backend.
+
+`npu` needs torch_npu, imported only when an npu device is asked for. For `cpu`, indices are process slots
+(`cpu:0,1` = two CPU processes over gloo, used to test multi-process runs on any machine).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from msmodelslim.errors import UserError
+
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Devices of one run: one process per index."""
+
+    type: str  # "cpu" | "cuda" | "npu"
+    indices: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.indices)
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend for this device type (gloo / nccl / hccl)."""
+        return _BACKENDS[self.type]
+
+    def torch_device(self, rank: int) -> torch.device:
+        """The device process `rank` runs on (cpu slots all map to the one CPU device)."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range for {self} (world size {self.world_size})")
+        if self.type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.type, self.indices[rank])
+
+    def __str__(self) -> str:
+        return f"{self.type}:{','.join(str(i) for i in self.indices)}"
+
+
+def _visible_count(device_type: str, text: str) -> int:
+    """Number of visible accelerators of `device_type`; errors when the runtime is missing."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text!r}: CUDA is not available in this torch build or on this machine")
+        return torch.cuda.device_count()
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except ImportError as exc:
+        raise UserError(
+            f"--device {text!r}: npu needs torch_npu, which is not installed ({exc}); "
+            "install the Ascend torch_npu wheel or use --device cuda / cpu"
+        ) from None
+    count = torch_npu.npu.device_count()
+    if count == 0:
+        raise UserError(f"--device {text!r}: torch_npu sees no NPU on this machine")
+    return count
+
+
+def _parse_indices(part: str, text: str) -> tuple[int, ...]:
+    items = part.split(",")
+    indices: list[int] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            raise UserError(f"--device {text!r}: empty device index")
+        try:
+            value = int(item)
+        except ValueError:
+            raise UserError(f"--device {text!r}: device index {item!r} is not an integer") from None
+        if value < 0:
+            raise UserError(f"--device {text!r}: device index {value} is negative")
+        if value in indices:
+            raise UserError(f"--device {text!r}: device index {value} given twice")
+        indices.append(value)
+    return tuple(indices)
+
+
+def parse_device(text: str) -> DeviceSpec:
+    """Parse `npu`, `npu:0,1,...`, `cuda`, `cuda:0,1`, `cpu`, `cpu:0,1` (a bare type means index 0)."""
+    raw = text.strip()
+    device_type, sep, rest = raw.partition(":")
+    device_type = device_type.strip().lower()
+    if device_type not in DEVICE_TYPES:
+        raise UserError(f"--device {text!r}: unknown device type {device_type!r}; expected one of {', '.join(DEVICE_TYPES)}")
+    if sep and not rest.strip():
+        raise UserError(f"--device {text!r}: no device index after ':'")
+    indices = _parse_indices(rest, text) if sep else (0,)
+    if device_type != "cpu":
+        count = _visible_count(device_type, text)
+        too_high = [i for i in indices if i >= count]
+        if too_high:
+            raise UserError(
+                f"--device {text!r}: {device_type} index {too_high[0]} out of range; "
+                f"{count} {device_type} device(s) visible (indices 0..{count - 1})"
+            )
+    return DeviceSpec(device_type, indices)

@@ -1,0 +1,11 @@
+"""Errors caused by what the user asked for (arguments, files, YAML): shown as one line, exit status 2.
+
+Any layer may raise `UserError`; the CLI prints `error: <message>` without a traceback. Everything else is a bug
+or an environment failure and keeps its traceback (exit status 1).
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input from the user; the message names the offending file, key or value."""
