@@ -135,9 +135,6 @@ class KimiK3ModelAdapter(ModelAdapter):
             return UnitModule(norm=self.language_model.model.norm, lm_head=self.language_model.lm_head)
         return self.layers[unit.index]
 
-    def _is_sparse_layer(self, index: int) -> bool:
-        return hasattr(self.layers[index], "mlp") and ep_patches.is_moe_block(self.layers[index].mlp)
-
     def checkpoint_name(self, unit: Unit, live_name: str) -> str:
         for live_prefix, ckpt_prefix in self._pieces(unit):
             if live_name.startswith(live_prefix) or live_name + "." == live_prefix:
@@ -146,7 +143,8 @@ class KimiK3ModelAdapter(ModelAdapter):
                     for old, new in _NATIVE_RENAMES:
                         if rest.startswith(old):
                             rest = new + rest[len(old):]
-                    if self._is_sparse_layer(unit.index) and (rest == "mlp" or rest.startswith("mlp.")):
+                    # its conversion mapping stores dense and sparse MLPs alike under block_sparse_moe
+                    if rest == "mlp" or rest.startswith("mlp."):
                         rest = "block_sparse_moe" + rest[3:]
                 return (ckpt_prefix + rest).rstrip(".")
         raise KeyError(f"unit {unit.name}: {live_name!r} is not part of it")
