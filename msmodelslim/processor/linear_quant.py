@@ -93,7 +93,7 @@ def _check_globs(value: Any, key: str) -> list[str]:
 
 @dataclass
 class LinearQuantConfig(ProcessorConfig):
-    qconfig: Any = field(default_factory=QConfig)
+    qconfig: QConfig = field(default_factory=QConfig)  # a plain mapping is accepted too (parsed in validate)
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
 

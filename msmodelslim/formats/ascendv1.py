@@ -1,0 +1,184 @@
+"""The AscendV1 format (what vLLM-Ascend loads) - its names, and a reader of written outputs.
+
+Layout of an output directory:
+    quant_model_weights.safetensors                        (one shard), or
+    quant_model_weights-0000k-of-0000N.safetensors         (N shards)
+    quant_model_weights.safetensors.index.json             {"metadata": {"total_size"}, "weight_map": {name: file}}
+    quant_model_description.json                           {name: type, "model_quant_type", "version", ...}
+Per quantized linear X (types W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC; symmetric, offsets are zero):
+    X.weight         int8 [out, in]  (W8A8)  or  int4 packed two per byte along the OUTPUT dim, int8 [out/2, in]
+                     (W4A*: see quant.packing; this is the "version 1.0.0" layout of vLLM-Ascend)
+    X.weight_scale   float32 [out, 1];  X.weight_offset float32 zeros [out, 1]
+    X.scale_bias     (int4 weights) float32 [out, 1], or [out, 16] for row-parallel linears (w2/down_proj/o_proj)
+    X.bias, X.online_rotation   when the linear has them
+Everything else is FLOAT (written in the source checkpoint's dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from msmodelslim.quant.functional import dequantize
+from msmodelslim.quant.modules import ONLINE_ROTATION, SCHEMES
+from msmodelslim.quant.packing import unpack_int4
+
+WEIGHTS_NAME = "quant_model_weights.safetensors"
+INDEX_NAME = "quant_model_weights.safetensors.index.json"
+DESCRIPTION_NAME = "quant_model_description.json"
+FORMAT_VERSION = "1.0.0"
+FLOAT = "FLOAT"
+QUANT_TYPES = tuple(SCHEMES)  # W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC
+TENSOR_TYPES = (FLOAT, *QUANT_TYPES)
+# Description keys that are not tensor names.
+HEADER_KEYS = ("model_quant_type", "version", "group_size", "metadata", "optional")
+# Tensors that accompany a quantized linear's `weight` (the reader hides them from keys()).
+QUANT_AUX = ("weight_scale", "weight_offset", "scale_bias", "bias", ONLINE_ROTATION)
+# The most aggressive weight scheme present names the model (model_quant_type).
+SEVERITY = {FLOAT: 0, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 2, "W4A4_DYNAMIC": 3}
+
+
+def shard_name(index: int, total: int) -> str:
+    """File name of shard `index` (1-based) of `total`; a single shard is `quant_model_weights.safetensors`."""
+    if total == 1:
+        return WEIGHTS_NAME
+    return f"quant_model_weights-{index:05d}-of-{total:05d}.safetensors"
+
+
+def is_int4(quant_type: str) -> bool:
+    return quant_type in SCHEMES and SCHEMES[quant_type].weight.bits == 4
+
+
+class AscendV1Error(ValueError):
+    """A missing or malformed part of an AscendV1 output (the message names the file and key)."""
+
+
+class AscendV1Reader:
+    """TensorReader over a written AscendV1 directory.
+
+    `keys()` lists logical float names: a quantized linear contributes `X.weight` (and `X.bias`), its scales and
+    online rotation are reached through `quantized_weight` / `online_rotation`. `get("X.weight")` of a quantized
+    linear returns the dequantised weight q * weight_scale (float32 unless `dtype` is given).
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        desc_path = self.out_dir / DESCRIPTION_NAME
+        if not desc_path.is_file():
+            raise AscendV1Error(f"{desc_path}: missing (is {self.out_dir} an AscendV1 output?)")
+        with open(desc_path, encoding="utf-8") as f:
+            desc = json.load(f)
+        self.header = {k: desc[k] for k in HEADER_KEYS if k in desc}
+        self.description: dict[str, str] = {k: v for k, v in desc.items() if k not in HEADER_KEYS}
+        for name, qtype in self.description.items():
+            if qtype not in TENSOR_TYPES:
+                raise AscendV1Error(f"{desc_path}: tensor {name!r} has unknown type {qtype!r} "
+                                    f"(expected one of {list(TENSOR_TYPES)})")
+        self.weight_map = self._read_weight_map()
+        undescribed = sorted(set(self.weight_map) - set(self.description))
+        if undescribed:
+            raise AscendV1Error(f"{desc_path}: tensor {undescribed[0]!r} is stored but not described")
+        missing = sorted(set(self.description) - set(self.weight_map))
+        if missing:
+            raise AscendV1Error(f"{self.out_dir}: described tensor {missing[0]!r} is in no shard")
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()  # a prefetch thread may read while the main thread does
+        self._quantized = {n[: -len(".weight")] for n, t in self.description.items()
+                           if t in QUANT_TYPES and n.endswith(".weight")}
+        hidden = {f"{lin}.{aux}" for lin in self._quantized for aux in QUANT_AUX if aux != "bias"}
+        self._keys = sorted(n for n in self.description
+                            if n not in hidden and not n.endswith("." + ONLINE_ROTATION))
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index_path = self.out_dir / INDEX_NAME
+        if index_path.is_file():
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+            if not isinstance(index.get("weight_map"), dict):
+                raise AscendV1Error(f"{index_path}: no 'weight_map' mapping")
+            weight_map = dict(index["weight_map"])
+        elif (self.out_dir / WEIGHTS_NAME).is_file():
+            with safe_open(self.out_dir / WEIGHTS_NAME, framework="pt") as f:
+                weight_map = {k: WEIGHTS_NAME for k in f.keys()}
+        else:
+            raise AscendV1Error(f"{self.out_dir}: neither {INDEX_NAME} nor {WEIGHTS_NAME} exists")
+        for file in sorted(set(weight_map.values())):
+            if not (self.out_dir / file).is_file():
+                raise AscendV1Error(f"{index_path}: shard {file!r} is missing from {self.out_dir}")
+        return weight_map
+
+    # --- TensorReader ----------------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name.endswith(".weight") and name[: -len(".weight")] in self._quantized:
+            q, scale = self.quantized_weight(name[: -len(".weight")], device)
+            return dequantize(q, scale, dtype=dtype or torch.float32)
+        t = self.get_stored(name, device)
+        return t if dtype is None else t.to(dtype)
+
+    # --- AscendV1 specifics ----------------------------------------------------------------------------------
+    def get_stored(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A tensor exactly as stored (packed int4 bytes, scales, ...)."""
+        if name not in self.weight_map:
+            raise KeyError(f"{self.out_dir}: no tensor {name!r}")
+        file = self.weight_map[name]
+        with self._lock:
+            handle = self._handles.get(file)
+            if handle is None:
+                try:
+                    handle = self._handles[file] = safe_open(str(self.out_dir / file), framework="pt", device="cpu")
+                except (SafetensorError, OSError) as exc:
+                    raise AscendV1Error(f"{self.out_dir / file}: cannot open shard (needed for {name}): {exc}") from exc
+        try:
+            t = handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise AscendV1Error(f"{self.out_dir / file}: cannot read {name!r}: {exc}") from exc
+        return t.to(device)
+
+    def quant_type(self, linear_name: str) -> str:
+        """Description type of a linear (`X` or `X.weight`): FLOAT, W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC."""
+        key = linear_name if linear_name.endswith(".weight") else linear_name + ".weight"
+        if key not in self.description:
+            raise KeyError(f"{self.out_dir / DESCRIPTION_NAME}: no entry {key!r}")
+        return self.description[key]
+
+    def quantized_linears(self) -> list[str]:
+        return sorted(self._quantized)
+
+    def quantized_weight(self, linear_name: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [out, in] unpacked integer values, weight_scale float32 [out, 1]) of a quantized linear."""
+        qtype = self.quant_type(linear_name)
+        if qtype not in QUANT_TYPES:
+            raise ValueError(f"{linear_name} is {qtype}, not a quantized linear")
+        q = self.get_stored(f"{linear_name}.weight", device)
+        if is_int4(qtype):
+            q = unpack_int4(q, dim=0)
+        scale = self.get_stored(f"{linear_name}.weight_scale", device).to(torch.float32)
+        if q.dtype != torch.int8 or scale.shape != (q.shape[0], 1):
+            raise AscendV1Error(f"{self.out_dir}: {linear_name}: weight {q.dtype} {list(q.shape)} does not match "
+                                f"weight_scale {list(scale.shape)}")
+        return q, scale
+
+    def online_rotation(self, linear_name: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The linear's runtime input rotation R (input is `x @ R`), or None."""
+        name = f"{linear_name}.{ONLINE_ROTATION}"
+        return self.get_stored(name, device) if name in self.weight_map else None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> AscendV1Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

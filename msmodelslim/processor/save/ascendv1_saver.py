@@ -1,0 +1,321 @@
+"""ascendv1_saver: write the AscendV1 format (quant_model_weights*.safetensors + index + description).
+
+Per quantized linear X (a `QuantLinear` yielded by `adapter.checkpoint_state`), with q the integer weight and s the
+per-channel scale [out, 1]:
+  W8A8_DYNAMIC : X.weight int8 [out, in] = q; X.weight_scale float32 s; X.weight_offset float32 zeros [out, 1]
+  W4A8_DYNAMIC / W4A4_DYNAMIC : X.weight = pack_int4(q) int8 [out/2, in] (two int4 per byte along the output dim,
+      low nibble = even row: the "version 1.0.0" layout vLLM-Ascend loads), X.weight_scale, X.weight_offset, and
+      X.scale_bias float32 = 8 * sum_k (q[o, k] * s[o]) over the input dim k:
+        [out, 1]  for column-parallel linears, and
+        [out, 16] for row-parallel ones (last name component in `row_parallel`, default w2/down_proj/o_proj):
+                  column j sums the j-th of 16 contiguous input slices, so a tensor-parallel split of the input
+                  dim keeps its own part (vLLM-Ascend sums the columns it gets). Their total is the [out, 1] value.
+      (8 = the int4 offset the Ascend int4 kernel uses when it computes with unsigned nibbles q + 8: the bias
+      removes 8 * sum_k w_deq[o, k] again.)
+  X.bias (if any) in the source dtype; X.online_rotation (if any) in its own dtype: the runtime input rotation R,
+  input = x @ R. All of these are described with the linear's scheme name.
+FLOAT tensors (norms, router, convs, A_log, dt_bias, embeddings, lm_head, unquantized linears) are written in the
+dtype the source checkpoint stores them in (so fp32 A_log / dt_bias / e_score_correction_bias stay fp32); tensors
+the source stores as MXFP4 or does not have are written as `float_dtype` (bfloat16).
+
+Data parallelism / EP: `adapter.checkpoint_state(unit, module)` yields what this rank holds (its local experts and
+the replicated rest). Rank 0 writes everything it is given; a rank > 0 writes only names for which
+`adapter.is_expert(name)` is true (applied to CHECKPOINT names). A name written by two ranks is an error.
+
+Sharding: tensors are buffered on CPU up to `part_file_size` GiB, then written as a shard with a rank-unique
+temporary name. `finalize` writes a per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards
+by (rank, part); index and description sorted by name), renames shards to their final names, writes the index and
+description, copies config/tokenizer/processor/remote-code files (config.json without `quantization_config`), then
+a final barrier. Nothing is written outside `work_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from msmodelslim.formats.ascendv1 import (
+    DESCRIPTION_NAME,
+    FLOAT,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SEVERITY,
+    is_int4,
+    shard_name,
+)
+from msmodelslim.model.base import Unit
+from msmodelslim.processor.save.base import Saver, SaverConfig, register_saver
+from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear
+from msmodelslim.quant.packing import pack_int4
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_COPY_SUFFIXES = (".json", ".py", ".txt", ".model", ".jinja", ".tiktoken")
+_SOURCE_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_PARTIAL = ".rank{rank:05d}.partial.json"
+_TMP_SHARD = ".rank{rank:05d}-part{part:05d}.safetensors"
+GIB = 1024**3
+
+
+@dataclass
+class AscendV1SaverConfig(SaverConfig):
+    part_file_size: float = 4.0  # GiB per shard
+    float_dtype: str = "bfloat16"  # FLOAT tensors the source checkpoint has no float dtype for
+    row_parallel: list[str] = field(default_factory=lambda: ["w2", "down_proj", "o_proj"])
+    row_parallel_splits: int = 16  # scale_bias columns of a row-parallel int4 linear
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.part_file_size, bool) or not isinstance(self.part_file_size, (int, float)) \
+                or not self.part_file_size > 0:
+            raise ValueError(f"ascendv1_saver.part_file_size must be a positive number of GB, "
+                             f"got {self.part_file_size!r}")
+        if self.float_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"ascendv1_saver.float_dtype must be one of {sorted(_FLOAT_DTYPES)}, "
+                             f"got {self.float_dtype!r}")
+        if not isinstance(self.row_parallel, (list, tuple)) or not all(isinstance(n, str) for n in self.row_parallel):
+            raise ValueError(f"ascendv1_saver.row_parallel must be a list of names, got {self.row_parallel!r}")
+        if isinstance(self.row_parallel_splits, bool) or not isinstance(self.row_parallel_splits, int) \
+                or self.row_parallel_splits < 1:
+            raise ValueError(f"ascendv1_saver.row_parallel_splits must be a positive integer, "
+                             f"got {self.row_parallel_splits!r}")
+
+
+def source_float_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
+    """name -> dtype of every floating tensor stored in a safetensors checkpoint (headers only)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for file in files:
+        path = model_dir / file
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name != "__metadata__" and info.get("dtype") in _ST_DTYPES:
+                out[name] = _ST_DTYPES[info["dtype"]]
+    return out
+
+
+def scale_bias(q: torch.Tensor, scale: torch.Tensor, splits: int = 1) -> torch.Tensor:
+    """8 * sum over the input dim of the dequantised weight q * scale, in `splits` contiguous input slices.
+
+    Returns float32 [out, splits]; splits=1 is the row sum [out, 1].
+    """
+    out, inp = q.shape
+    if inp % splits:
+        raise ValueError(f"input dim {inp} is not divisible by {splits} scale_bias slices")
+    deq = q.to(torch.float32) * scale.to(torch.float32)
+    return 8.0 * deq.reshape(out, splits, inp // splits).sum(dim=-1)
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its memory (safetensors refuses tensors that share storage)."""
+    t = t.detach()
+    t = t.to("cpu") if t.device.type != "cpu" else t.clone()
+    return t.contiguous()
+
+
+def clean_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json without `quantization_config` at the top level and in `text_config`."""
+    config = dict(config)
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
+    return config
+
+
+def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]:
+    """Copy config / tokenizer / processor / remote-code files of the model directory (top level only)."""
+    copied = []
+    for src in sorted(Path(model_dir).iterdir()):
+        name = src.name
+        if not src.is_file() or name in skip or name in _SOURCE_INDEXES or name.endswith(".safetensors.index.json"):
+            continue
+        if not (name.endswith(_COPY_SUFFIXES) or name.startswith("tokenizer")):
+            continue
+        if name == "config.json":
+            with open(src, encoding="utf-8") as f:
+                config = clean_config(json.load(f))
+            with open(out_dir / name, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+        else:
+            shutil.copy2(src, out_dir / name)
+        copied.append(name)
+    return copied
+
+
+@register_saver("ascendv1_saver", AscendV1SaverConfig)
+class AscendV1Saver(Saver):
+    config: AscendV1SaverConfig
+
+    def __init__(self, config: AscendV1SaverConfig, adapter: Any, work_dir: Path, dist: Any) -> None:
+        super().__init__(config, adapter, work_dir, dist)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._limit = int(config.part_file_size * GIB)
+        self._default_float = _FLOAT_DTYPES[config.float_dtype]
+        self._source_dtypes = source_float_dtypes(adapter.model_path) if getattr(adapter, "model_path", None) else {}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
+        self._description: dict[str, str] = {}
+        self._finalized = False
+
+    # --- per unit --------------------------------------------------------------------------------------------
+    def _owns(self, name: str) -> bool:
+        return self.dist.is_main or bool(self.adapter.is_expert(name))
+
+    def save_unit(self, unit: Unit, module: nn.Module) -> None:
+        for name, obj in self.adapter.checkpoint_state(unit, module):
+            if not self._owns(name):
+                continue
+            if isinstance(obj, QuantLinear):
+                for tname, tensor in self._quant_tensors(name, obj).items():
+                    self._add(tname, tensor, obj.scheme.name)
+            elif isinstance(obj, torch.Tensor):
+                self._add(name, self._float_tensor(name, obj), FLOAT)
+            else:
+                raise TypeError(f"unit {unit.name}: checkpoint_state yielded {type(obj).__name__} for {name!r}; "
+                                f"expected a Tensor or a QuantLinear")
+
+    def _float_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:
+            raise ValueError(f"{name}: tensor is on the meta device (not loaded on this rank?)")
+        if not t.is_floating_point():
+            return t
+        return t.to(self._source_dtypes.get(name, self._default_float))
+
+    def _quant_tensors(self, name: str, ql: QuantLinear) -> dict[str, torch.Tensor]:
+        if ql.qweight.is_meta:
+            raise ValueError(f"{name}: quantized weight is on the meta device")
+        q, s = ql.qweight, ql.weight_scale.to(torch.float32)
+        out: dict[str, torch.Tensor] = {}
+        if is_int4(ql.scheme.name):
+            try:
+                out[f"{name}.weight"] = pack_int4(q, dim=0)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            splits = self.config.row_parallel_splits if name.rsplit(".", 1)[-1] in self.config.row_parallel else 1
+            try:
+                sb = scale_bias(q, s, splits)
+            except ValueError as exc:
+                raise ValueError(f"{name}.scale_bias: {exc}") from None
+        else:
+            out[f"{name}.weight"] = q
+            sb = None
+        out[f"{name}.weight_scale"] = s
+        out[f"{name}.weight_offset"] = torch.zeros_like(s)
+        if sb is not None:
+            out[f"{name}.scale_bias"] = sb
+        if ql.bias is not None:
+            out[f"{name}.bias"] = ql.bias.to(self._source_dtypes.get(f"{name}.bias", self._default_float))
+        rot = getattr(ql, ONLINE_ROTATION, None)
+        if rot is not None:
+            out[f"{name}.{ONLINE_ROTATION}"] = rot
+        return out
+
+    def _add(self, name: str, tensor: torch.Tensor, qtype: str) -> None:
+        if name in self._description:
+            raise ValueError(f"tensor {name!r} was yielded twice by checkpoint_state")
+        t = _cpu_copy(tensor)
+        nbytes = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + nbytes > self._limit:
+            self._flush()
+        self._pending[name] = t
+        self._pending_bytes += nbytes
+        self._description[name] = qtype
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        file = _TMP_SHARD.format(rank=self.dist.rank, part=len(self._files))
+        save_file(self._pending, str(self.work_dir / file), metadata={"format": "pt"})
+        self._files.append({"file": file, "names": sorted(self._pending), "bytes": self._pending_bytes})
+        logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, file, len(self._pending),
+                     self._pending_bytes / GIB)
+        self._pending, self._pending_bytes = {}, 0
+
+    # --- finish ----------------------------------------------------------------------------------------------
+    def finalize(self, metadata: dict[str, Any]) -> None:
+        if self._finalized:
+            raise RuntimeError("AscendV1Saver.finalize called twice")
+        self._finalized = True
+        self._flush()
+        partial = {"rank": self.dist.rank, "files": self._files, "description": self._description}
+        with open(self.work_dir / _PARTIAL.format(rank=self.dist.rank), "w", encoding="utf-8") as f:
+            json.dump(partial, f)
+        self.dist.barrier()
+        if self.dist.is_main:
+            self._merge(metadata)
+        self.dist.barrier()
+
+    def _merge(self, metadata: dict[str, Any]) -> None:
+        partials = []
+        for rank in range(self.dist.world_size):
+            path = self.work_dir / _PARTIAL.format(rank=rank)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: rank {rank} wrote no partial index")
+            with open(path, encoding="utf-8") as f:
+                partials.append(json.load(f))
+        files = [(p["rank"], i, entry) for p in partials for i, entry in enumerate(p["files"])]
+        files.sort(key=lambda x: (x[0], x[1]))
+        total = len(files)
+        weight_map: dict[str, str] = {}
+        owner: dict[str, int] = {}
+        total_size = 0
+        for k, (rank, _, entry) in enumerate(files, start=1):
+            final = shard_name(k, total)
+            (self.work_dir / entry["file"]).rename(self.work_dir / final)
+            total_size += entry["bytes"]
+            for name in entry["names"]:
+                if name in weight_map:
+                    raise ValueError(f"tensor {name!r} was written by rank {owner[name]} and rank {rank}; "
+                                     f"only rank 0 may write replicated tensors (adapter.is_expert({name!r}) "
+                                     f"must be false for them)")
+                weight_map[name] = final
+                owner[name] = rank
+        description: dict[str, str] = {}
+        for p in partials:
+            description.update(p["description"])
+        if total == 0:
+            logger.warning("ascendv1_saver: no tensor was written")
+        types = set(description.values()) or {FLOAT}
+        header: dict[str, Any] = {"model_quant_type": max(types, key=lambda t: SEVERITY[t]), "version": FORMAT_VERSION}
+        if any(is_int4(t) for t in types):
+            header["group_size"] = 0  # per-channel int4 (vLLM-Ascend assumes 256 when the key is absent)
+        if metadata:
+            header["metadata"] = metadata
+        with open(self.work_dir / DESCRIPTION_NAME, "w", encoding="utf-8") as f:
+            json.dump({**header, **{n: description[n] for n in sorted(description)}}, f, indent=2)
+            f.write("\n")
+        index = {"metadata": {"total_size": total_size}, "weight_map": {n: weight_map[n] for n in sorted(weight_map)}}
+        with open(self.work_dir / INDEX_NAME, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+        copied = copy_model_files(self.adapter.model_path, self.work_dir, skip={DESCRIPTION_NAME, INDEX_NAME}) \
+            if getattr(self.adapter, "model_path", None) and Path(self.adapter.model_path).is_dir() else []
+        for rank in range(self.dist.world_size):
+            (self.work_dir / _PARTIAL.format(rank=rank)).unlink()
+        logger.info("ascendv1_saver: %d tensors in %d shard(s), %.2f GiB, model_quant_type %s; copied %s",
+                    len(weight_map), total, total_size / GIB, header["model_quant_type"], ", ".join(copied) or "-")

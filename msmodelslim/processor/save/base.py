@@ -1,0 +1,63 @@
+"""Saver protocol and registry: a saver writes each unit's tensors as the runner finishes it, then merges.
+
+Contract (docs/dev/architecture.md):
+    saver = SAVERS[type](config, adapter, work_dir, dist)
+    saver.save_unit(unit, module)   # every rank, after the unit is processed; each rank writes what it owns
+    saver.finalize(metadata)        # every rank, after a barrier; rank 0 merges the ranks' partial indexes
+A saver writes only into `work_dir` (a temporary directory the app publishes after success).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from msmodelslim.core.dist import DistContext
+
+if TYPE_CHECKING:
+    from msmodelslim.model.base import ModelAdapter, Unit
+
+
+@dataclass
+class SaverConfig:
+    """Base of every saver config; subclasses are dataclasses whose fields are the YAML keys."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field for values out of range."""
+
+
+class Saver(ABC):
+    config_cls: type[SaverConfig] = SaverConfig
+
+    def __init__(self, config: SaverConfig, adapter: ModelAdapter, work_dir: Path, dist: DistContext) -> None:
+        self.config = config
+        self.adapter = adapter
+        self.work_dir = Path(work_dir)
+        self.dist = dist
+
+    @abstractmethod
+    def save_unit(self, unit: Unit, module: nn.Module) -> None:
+        """Write (or buffer) what this rank owns of `unit`."""
+
+    @abstractmethod
+    def finalize(self, metadata: dict[str, Any]) -> None:
+        """Flush, then merge the per-rank results into the final index/description (rank 0)."""
+
+
+SAVERS: dict[str, type[Saver]] = {}
+
+
+def register_saver(name: str, config_cls: type[SaverConfig]) -> Callable[[type[Saver]], type[Saver]]:
+    def wrap(cls: type[Saver]) -> type[Saver]:
+        if name in SAVERS:
+            raise ValueError(f"saver type {name!r} registered twice")
+        cls.config_cls = config_cls
+        SAVERS[name] = cls
+        return cls
+
+    return wrap
