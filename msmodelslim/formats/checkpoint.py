@@ -1,0 +1,231 @@
+"""Lazy reader of a Hugging Face safetensors checkpoint, MXFP4 linears served as dense ``X.weight``.
+
+``open_checkpoint(model_dir)`` reads ``model.safetensors.index.json`` (or a single ``model.safetensors``)
+and returns a ``CheckpointReader`` implementing the TensorReader contract of docs/dev/architecture.md.
+Nothing but headers is read up front: each ``get`` reads one tensor (an MXFP4 linear: its packed codes and
+scales) from a memory-mapped shard, moves the raw bytes to the target device and decodes there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from msmodelslim.formats.mxfp4 import decode_mxfp4
+from msmodelslim.formats.quant_scheme import QuantScheme, parse_quant_scheme, read_config
+
+__all__ = ["CheckpointError", "CheckpointReader", "open_checkpoint", "read_config"]
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_PACKED = ".weight_packed"
+_SCALE = ".weight_scale"
+# compressed-tensors companions of a packed weight; hidden behind the logical "X.weight".
+_COMPANIONS = (".weight_scale", ".weight_global_scale", ".weight_zero_point", ".weight_shape")
+
+
+class CheckpointError(ValueError):
+    """A malformed checkpoint; the message names the offending file and key."""
+
+
+def _module_of(packed_key: str) -> str:
+    return packed_key[: -len(_PACKED)]
+
+
+class CheckpointReader:
+    """TensorReader over one checkpoint directory. Safe for concurrent ``get`` from a few threads."""
+
+    def __init__(self, model_dir: Path, weight_map: dict[str, str], index_path: Path | None,
+                 config: dict[str, Any] | None, quant_scheme: QuantScheme | None) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.quant_scheme = quant_scheme
+        self._index_path = index_path
+        self._weight_map = weight_map  # stored key -> shard file name (relative to model_dir)
+        self._handles: dict[str, Any] = {}
+        self._shard_keys: dict[str, frozenset[str]] = {}
+        self._lock = threading.Lock()
+        self._logical: dict[str, str] = {}  # logical key -> stored key (packed key for MXFP4)
+        packed_modules = {_module_of(k) for k in weight_map if k.endswith(_PACKED)}
+        for key in weight_map:
+            if key.endswith(_PACKED):
+                logical = _module_of(key) + ".weight"
+            else:
+                module, dot, _ = key.rpartition(".")
+                if dot and module in packed_modules and any(key.endswith(c) for c in _COMPANIONS):
+                    continue
+                logical = key
+            if logical in self._logical:  # "X.weight" stored both dense and packed
+                raise CheckpointError(f"{self._where(key)}: {logical} is stored both dense and as {_PACKED}")
+            self._logical[logical] = key
+
+    # -- TensorReader -------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Logical tensor names: ``X.weight`` for an MXFP4 linear (its packed/scale names are hidden)."""
+        return list(self._logical)
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        return [k for k in self._logical if k.startswith(prefix)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._logical
+
+    def __len__(self) -> int:
+        return len(self._logical)
+
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether logical ``name`` is stored as MXFP4 (``weight_packed`` + ``weight_scale``)."""
+        return self._stored_key(name).endswith(_PACKED)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Logical (decoded) shape of ``name``, from the shard header only."""
+        stored = self._stored_key(name)
+        shape = tuple(self._handle_for(stored).get_slice(stored).get_shape())
+        if stored.endswith(_PACKED):
+            shape = (*shape[:-1], shape[-1] * 2)
+        return shape
+
+    def get(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` on ``device``; MXFP4 is decoded there (to ``dtype`` or bfloat16).
+
+        Dense tensors keep their stored dtype unless ``dtype`` is given.
+        """
+        stored = self._stored_key(name)
+        if not stored.endswith(_PACKED):
+            tensor = self._read(stored).to(device)
+            return tensor if dtype is None else tensor.to(dtype)
+        module = _module_of(stored)
+        scale_key = module + _SCALE
+        if scale_key not in self._weight_map:
+            raise CheckpointError(
+                f"{self._where(stored)}: {stored} has no matching {scale_key} in the checkpoint"
+            )
+        if self.quant_scheme is None:
+            raise CheckpointError(
+                f"{self.model_dir / 'config.json'}: {stored} is packed but config.json has no quantization_config"
+            )
+        bias = self.quant_scheme.require_mxfp4(module)
+        packed = self._read(stored).to(device)
+        scale = self._read(scale_key).to(device)
+        return decode_mxfp4(packed, scale, dtype=dtype or torch.bfloat16, exponent_bias=bias, name=name)
+
+    def get_stored(self, stored_key: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A tensor exactly as stored (e.g. ``X.weight_packed``), no decoding."""
+        if stored_key not in self._weight_map:
+            raise KeyError(f"{self._source()}: no stored tensor {stored_key!r}")
+        return self._read(stored_key).to(device)
+
+    def stored_keys(self) -> list[str]:
+        return list(self._weight_map)
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear()
+            self._shard_keys.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _source(self) -> Path:
+        return self._index_path or self.model_dir / SINGLE_NAME
+
+    def _where(self, stored_key: str) -> Path:
+        return self.model_dir / self._weight_map[stored_key]
+
+    def _stored_key(self, name: str) -> str:
+        try:
+            return self._logical[name]
+        except KeyError:
+            raise KeyError(f"{self._source()}: no tensor {name!r} in checkpoint") from None
+
+    def _handle_for(self, stored_key: str) -> Any:
+        shard = self._weight_map[stored_key]
+        handle = self._handles.get(shard)
+        if handle is None:
+            with self._lock:  # one open per shard even when a prefetch thread races the main thread
+                handle = self._handles.get(shard)
+                if handle is None:
+                    path = self.model_dir / shard
+                    try:
+                        handle = safe_open(str(path), framework="pt", device="cpu")
+                    except FileNotFoundError as exc:
+                        raise CheckpointError(f"{path}: shard file missing (needed for {stored_key})") from exc
+                    except (SafetensorError, OSError) as exc:
+                        raise CheckpointError(
+                            f"{path}: cannot read safetensors shard (needed for {stored_key}): {exc}"
+                        ) from exc
+                    self._shard_keys[shard] = frozenset(handle.keys())
+                    self._handles[shard] = handle
+        if stored_key not in self._shard_keys[shard]:
+            raise CheckpointError(
+                f"{self.model_dir / shard}: tensor {stored_key} is listed in {self._source().name} but missing from the shard"
+            )
+        return handle
+
+    def _read(self, stored_key: str) -> torch.Tensor:
+        handle = self._handle_for(stored_key)
+        try:
+            return handle.get_tensor(stored_key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{self._where(stored_key)}: cannot read tensor {stored_key}: {exc}") from exc
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{index_path}: not valid JSON ({exc})") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: missing or malformed 'weight_map'")
+    return weight_map
+
+
+def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
+    """Open ``model_dir`` lazily: headers and config only; tensors are read by ``get``.
+
+    Raises:
+        FileNotFoundError: neither ``model.safetensors.index.json`` nor ``model.safetensors`` exists.
+        CheckpointError: malformed index, a shard the index names is missing, an unreadable shard header.
+        ValueError: an unsupported ``quantization_config`` (unknown quant_method, bad regex).
+    """
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_NAME
+    single_path = model_dir / SINGLE_NAME
+    if index_path.is_file():
+        weight_map = _read_index(index_path)
+        first_key: dict[str, str] = {}
+        for key, shard in weight_map.items():
+            first_key.setdefault(shard, key)
+        for shard, key in first_key.items():
+            if not (model_dir / shard).is_file():
+                raise CheckpointError(f"{index_path}: shard {shard} (holding {key}) not found in {model_dir}")
+        source: Path | None = index_path
+    elif single_path.is_file():
+        try:
+            with safe_open(str(single_path), framework="pt", device="cpu") as handle:
+                weight_map = {k: SINGLE_NAME for k in handle.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{single_path}: cannot read safetensors header: {exc}") from exc
+        source = None
+    else:
+        raise FileNotFoundError(f"{model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    config = read_config(model_dir) if (model_dir / "config.json").is_file() else None
+    scheme = parse_quant_scheme(config, source=str(model_dir / "config.json")) if config is not None else None
+    reader = CheckpointReader(model_dir, weight_map, source, config, scheme)
+    logger.debug("opened %s: %d tensors in %d shard(s)", model_dir, len(reader), len(set(weight_map.values())))
+    return reader

@@ -1,0 +1,273 @@
+"""open_checkpoint: lazy multi-shard reading with MXFP4 decoded on the fly.
+
+References: the tensors written by the generator (dense: exact equality) and compressed-tensors 0.20's
+MXFP4PackedCompressor.decompress for every MXFP4 weight (bitwise equality, no tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_factory import write_checkpoint
+from mxfp4_ct_reference import ct_decode, same_bits
+from safetensors import safe_open
+
+from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
+from msmodelslim.model.kimi_k3.mxfp4 import convert_mxfp4_to_bf16
+
+MINI = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / "kimi-linear-mini"
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    dense, packed = write_checkpoint(tmp_path / "ckpt")
+    return tmp_path / "ckpt", dense, packed
+
+
+def test_keys_are_logical_names(ckpt):
+    path, dense, packed = ckpt
+    reader = open_checkpoint(path)
+    assert set(reader.keys()) == set(dense) | {m + ".weight" for m in packed}
+    assert not any(k.endswith(("weight_packed", "weight_scale")) for k in reader.keys())
+    expert = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    assert reader.is_mxfp4(expert) and not reader.is_mxfp4("lm_head.weight")
+    assert reader.shape(expert) == (64, 96)
+    assert sorted(reader.keys_with_prefix("model.layers.0.block_sparse_moe.experts.1.")) == [
+        f"model.layers.0.block_sparse_moe.experts.1.{w}.weight" for w in ("w1", "w2", "w3")]
+
+
+def test_get_dense_equals_written_and_mxfp4_equals_compressed_tensors(ckpt):
+    path, dense, packed = ckpt
+    reader = open_checkpoint(path)
+    for name, tensor in dense.items():
+        got = reader.get(name, "cpu")
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    for module, (p, s) in packed.items():
+        got = reader.get(module + ".weight", "cpu")
+        assert got.dtype == torch.bfloat16 and same_bits(got, ct_decode(p, s)), module
+
+
+def test_get_with_dtype(ckpt):
+    path, dense, packed = ckpt
+    reader = open_checkpoint(path)
+    module, (p, s) = next(iter(packed.items()))
+    assert torch.equal(reader.get(module + ".weight", "cpu", torch.float32), ct_decode(p, s).float())
+    assert reader.get("lm_head.weight", "cpu", torch.float32).dtype == torch.float32
+
+
+def test_single_file_checkpoint(tmp_path):
+    dense, packed = write_checkpoint(tmp_path, single_file=True)
+    reader = open_checkpoint(tmp_path)
+    assert len(reader.keys()) == len(dense) + len(packed)
+    module, (p, s) = next(iter(packed.items()))
+    assert same_bits(reader.get(module + ".weight", "cpu"), ct_decode(p, s))
+
+
+def test_nested_text_config_scheme_is_used(tmp_path):
+    _, packed = write_checkpoint(tmp_path, nest_in_text_config=True, version="0.13.0", exponent_shift=2)
+    reader = open_checkpoint(tmp_path)
+    module, (p, s) = next(iter(packed.items()))
+    assert reader.quant_scheme.exponent_bias == 125
+    assert same_bits(reader.get(module + ".weight", "cpu"), ct_decode(p, s))
+
+
+def test_compressed_tensors_0_13_checkpoint_decodes_like_0_20(tmp_path):
+    # 0.13.0 wrote exponents 2 lower than the scale it used; the reader keys on the version.
+    write_checkpoint(tmp_path / "v020", version="0.20.0")
+    write_checkpoint(tmp_path / "v013", version="0.13.0", exponent_shift=2)
+    new, old = open_checkpoint(tmp_path / "v020"), open_checkpoint(tmp_path / "v013")
+    some = "model.layers.0.block_sparse_moe.experts.0.w1"
+    assert not torch.equal(new.get_stored(some + ".weight_scale"), old.get_stored(some + ".weight_scale"))
+    for name in new.keys():
+        assert same_bits(old.get(name, "cpu"), new.get(name, "cpu")), name
+
+
+def test_convert_mxfp4_to_bf16_keys_on_scheme_version(ckpt):
+    _, _, packed = ckpt
+    p, s = next(iter(packed.values()))
+    ref = ct_decode(p, s)
+    assert same_bits(convert_mxfp4_to_bf16(p, s), ref)
+    assert same_bits(convert_mxfp4_to_bf16(p, s - 2, scheme_version="0.13.0", device="cpu"), ref)
+
+
+def test_concurrent_get_from_two_threads(ckpt):
+    path, _, packed = ckpt
+    reader = open_checkpoint(path)
+    names = reader.keys()
+    results: dict[int, dict] = {0: {}, 1: {}}
+    errors = []
+
+    def work(tid):
+        try:
+            for name in (names if tid == 0 else names[::-1]):
+                results[tid][name] = reader.get(name, "cpu")
+        except Exception as exc:  # reported below: the test fails with it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for name in names:
+        assert same_bits(results[0][name], results[1][name])
+
+
+def test_unknown_key_is_keyerror_naming_checkpoint(ckpt):
+    path, _, _ = ckpt
+    with pytest.raises(KeyError, match="model.safetensors.index.json.*nope.weight"):
+        open_checkpoint(path).get("nope.weight", "cpu")
+
+
+def test_missing_index_and_single_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):
+        open_checkpoint(tmp_path)
+
+
+def test_index_pointing_to_missing_shard(ckpt):
+    path, _, _ = ckpt
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="index.json: shard model-00002-of-00003.safetensors.*not found"):
+        open_checkpoint(path)
+
+
+def test_truncated_shard_error_names_file_and_key_and_other_shards_still_read(ckpt):
+    path, dense, _ = ckpt
+    shard = path / "model-00003-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    reader = open_checkpoint(path)  # lazy: nothing read yet
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    victim = next(k for k, f in weight_map.items() if f == shard.name and k in dense)
+    with pytest.raises(CheckpointError, match=f"model-00003-of-00003.safetensors.*{victim}.*header"):
+        reader.get(victim, "cpu")
+    survivor = next(k for k, f in weight_map.items() if f != shard.name and k in dense)
+    assert torch.equal(reader.get(survivor, "cpu"), dense[survivor])
+
+
+def test_corrupt_header(tmp_path):
+    write_checkpoint(tmp_path, single_file=True)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors.*header"):
+        open_checkpoint(tmp_path)
+
+
+def test_key_missing_from_its_shard(ckpt):
+    path, _, _ = ckpt
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.ghost.weight"] = "model-00001-of-00003.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model-00001-of-00003.safetensors.*model.ghost.weight.*missing"):
+        open_checkpoint(path).get("model.ghost.weight", "cpu")
+
+
+def test_packed_without_scale(ckpt):
+    path, _, _ = ckpt
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.0.block_sparse_moe.experts.0.w1.weight_scale"]
+    index_path.write_text(json.dumps(index))
+    reader = open_checkpoint(path)
+    with pytest.raises(CheckpointError, match="experts.0.w1.weight_packed has no matching .*experts.0.w1.weight_scale"):
+        reader.get("model.layers.0.block_sparse_moe.experts.0.w1.weight", "cpu")
+
+
+def test_e8m0_nan_in_checkpoint_names_key(tmp_path):
+    victim = "model.layers.1.block_sparse_moe.experts.2.w3"
+
+    def tamper(stored):
+        stored[victim + ".weight_scale"][5, 1] = 255
+
+    write_checkpoint(tmp_path, tamper=tamper)
+    with pytest.raises(ValueError, match=rf"{victim}\.weight.*255.*\(5, 1\)"):
+        open_checkpoint(tmp_path).get(victim + ".weight", "cpu")
+
+
+def test_other_compressed_format_is_an_error_on_get(tmp_path):
+    groups = {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "weights": {}}}
+    write_checkpoint(tmp_path, config_extra={"config_groups": groups, "format": "nvfp4-pack-quantized"})
+    reader = open_checkpoint(tmp_path)
+    assert torch.equal(reader.get("lm_head.weight", "cpu"), reader.get("lm_head.weight", "cpu"))  # dense fine
+    with pytest.raises(ValueError, match="experts.0.w1.*nvfp4-pack-quantized"):
+        reader.get("model.layers.0.block_sparse_moe.experts.0.w1.weight", "cpu")
+
+
+# -- the real reference checkpoint -------------------------------------------------------------------------
+needs_mini = pytest.mark.skipif(not (MINI / "config.json").is_file(), reason="../shared/models/kimi-linear-mini absent")
+
+
+@needs_mini
+def test_kimi_linear_mini_every_expert_equals_compressed_tensors():
+    reader = open_checkpoint(MINI)
+    index = json.loads((MINI / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = [k for k in reader.keys() if reader.is_mxfp4(k)]
+    assert len(experts) == sum(k.endswith("weight_packed") for k in index) > 0
+    handles = {}
+    for name in experts:
+        module = name.removesuffix(".weight")
+        parts = []
+        for suffix in (".weight_packed", ".weight_scale"):
+            f = index[module + suffix]
+            handles.setdefault(f, safe_open(str(MINI / f), "pt"))
+            parts.append(handles[f].get_tensor(module + suffix))
+        assert same_bits(reader.get(name, "cpu"), ct_decode(*parts)), name
+    dense = [k for k in reader.keys() if not reader.is_mxfp4(k)]
+    for name in dense[:20]:
+        f = index[name]
+        handles.setdefault(f, safe_open(str(MINI / f), "pt"))
+        assert torch.equal(reader.get(name, "cpu"), handles[f].get_tensor(name))
+
+
+def _linked_copy(dst: Path) -> Path:
+    dst.mkdir()
+    for f in MINI.iterdir():
+        (dst / f.name).symlink_to(f.resolve())
+    return dst
+
+
+@needs_mini
+def test_kimi_linear_mini_missing_shard_is_named(tmp_path):
+    path = _linked_copy(tmp_path / "mini")
+    (path / "model-00003-of-00005.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shard model-00003-of-00005.safetensors.*not found"):
+        open_checkpoint(path)
+
+
+@needs_mini
+def test_kimi_linear_mini_truncated_shard_is_named(tmp_path):
+    path = _linked_copy(tmp_path / "mini")
+    shard = path / "model-00004-of-00005.safetensors"
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[: len(data) // 2])
+    reader = open_checkpoint(path)
+    victim = next(k for k in reader.keys() if reader._weight_map[reader._stored_key(k)] == shard.name)
+    with pytest.raises(CheckpointError, match=f"model-00004-of-00005.safetensors.*{victim}"):
+        reader.get(victim, "cpu")
+
+
+@needs_mini
+def test_kimi_linear_mini_missing_key_is_named(tmp_path):
+    path = _linked_copy(tmp_path / "mini")
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index_path.unlink()
+    index["weight_map"]["model.layers.0.self_attn.q_proj.weight"] = "model-00005-of-00005.safetensors"
+    index_path.write_text(json.dumps(index))
+    reader = open_checkpoint(path)
+    with pytest.raises(CheckpointError, match="model-00005-of-00005.safetensors.*self_attn.q_proj.weight.*missing"):
+        reader.get("model.layers.0.self_attn.q_proj.weight", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_decodes_on_cuda(ckpt):
+    path, _, packed = ckpt
+    reader = open_checkpoint(path)
+    module, (p, s) = next(iter(packed.items()))
+    out = reader.get(module + ".weight", "cuda")
+    assert out.device.type == "cuda" and same_bits(out.cpu(), ct_decode(p, s))
