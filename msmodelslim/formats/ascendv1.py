@@ -39,6 +39,7 @@ TENSOR_TYPES = (FLOAT, *QUANT_TYPES)
 HEADER_KEYS = ("model_quant_type", "version", "group_size", "metadata", "optional")
 # Tensors that accompany a quantized linear's `weight` (the reader hides them from keys()).
 QUANT_AUX = ("weight_scale", "weight_offset", "scale_bias", "bias", ONLINE_ROTATION)
+DEQUANT_DTYPE = torch.bfloat16
 # The most aggressive weight scheme present names the model (model_quant_type).
 SEVERITY = {FLOAT: 0, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 2, "W4A4_DYNAMIC": 3}
 
@@ -63,7 +64,7 @@ class AscendV1Reader:
 
     `keys()` lists logical float names: a quantized linear contributes `X.weight` (and `X.bias`), its scales and
     online rotation are reached through `quantized_weight` / `online_rotation`. `get("X.weight")` of a quantized
-    linear returns the dequantised weight q * weight_scale (float32 unless `dtype` is given).
+    linear returns the dequantised weight q * weight_scale (bfloat16 unless `dtype` is given).
     """
 
     def __init__(self, out_dir: str | Path) -> None:
@@ -120,9 +121,11 @@ class AscendV1Reader:
         return name in self.weight_map
 
     def get(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor as stored, or for a quantized linear's `X.weight` q * weight_scale computed in float32 and
+        returned as `dtype` (default bfloat16, the dtype the runtime computes in)."""
         if name.endswith(".weight") and name[: -len(".weight")] in self._quantized:
             q, scale = self.quantized_weight(name[: -len(".weight")], device)
-            return dequantize(q, scale, dtype=dtype or torch.float32)
+            return dequantize(q, scale, dtype=dtype or DEQUANT_DTYPE)
         t = self.get_stored(name, device)
         return t if dtype is None else t.to(dtype)
 
@@ -170,7 +173,7 @@ class AscendV1Reader:
         return q, scale
 
     def online_rotation(self, linear_name: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The linear's runtime input rotation R (input is `x @ R`), or None."""
+        """The linear's runtime input rotation T (input is `x @ T^T` = F.linear(x, T)), or None."""
         name = f"{linear_name}.{ONLINE_ROTATION}"
         return self.get_stored(name, device) if name in self.weight_map else None
 

@@ -1,16 +1,18 @@
 """QuantLinear: the deployed computation of a dynamically quantized linear, used during and after calibration.
 
 Forward (what vLLM-Ascend computes for W8A8_DYNAMIC / W4A8_DYNAMIC):
-    x  <- x @ online_rotation                      (if the layer has one; row-vector convention, see below)
+    x  <- x @ online_rotation^T                    (if the layer has one; see below)
     qx, sx = per-token symmetric quantization of x  (one scale per token over the last dim, int8 or int4)
     y  = (qx @ qweight^T) * sx * weight_scale^T    (integer products accumulated in float32), cast to x's dtype
     y += bias
 so the next unit calibrates on what inference will see.
 
 Online rotation convention (shared with the QuaRot processor): a linear whose input must be rotated at run time
-carries a registered buffer `online_rotation` R [in, in]; the runtime input is `x @ R` (x a row vector), and the
-weight was already rotated offline so that `(x @ R) @ W'^T == x @ W^T`. A plain `nn.Linear` may carry the same
-buffer; `QuantLinear.from_linear` carries it over, and the saver writes it as `<linear>.online_rotation`.
+carries a buffer `online_rotation` T [in, in] (orthogonal); the runtime input is `x~ = x @ T^T = F.linear(x, T)`
+(i.e. T x for a column vector, as in QuaRot), and the weight is stored rotated, W' = W @ T^T, so that
+`x~ @ W'^T == x @ W^T`. processor/quarot.py sets it on plain nn.Linear modules (with a float pre-hook that does the
+rotation); `QuantLinear.from_linear` carries the buffer over (the hook is not needed: forward rotates), and the
+saver writes it as `<linear>.online_rotation`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from msmodelslim.quant.functional import (
     dequantize,
@@ -65,8 +68,8 @@ def scheme_for(weight: IntDtype, act: IntDtype) -> QuantScheme:
 
 
 def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x @ R computed in float32, returned in x's dtype (the runtime rotates in the activation dtype's range)."""
-    return (x.to(torch.float32) @ rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+    """x @ T^T (= F.linear(x, T)) computed in float32, returned in x's dtype."""
+    return F.linear(x.to(torch.float32), rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
 
 
 def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz",

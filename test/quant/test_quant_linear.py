@@ -12,7 +12,7 @@ def _reference_forward(x, qweight, wscale, act_bits, bias=None, rot=None):
     """Explicit float64 math: rotate, per-token quantise-dequantise x, x_dq @ W_dq^T + b."""
     xd = x.double()
     if rot is not None:
-        xd = (x.float() @ rot.float()).to(x.dtype).double()
+        xd = (x.float() @ rot.float().t()).to(x.dtype).double()
     qmax = 2 ** (act_bits - 1) - 1
     s = xd.abs().amax(-1, keepdim=True) / qmax
     s = torch.where(s > 0, s, torch.ones_like(s))
@@ -51,7 +51,7 @@ def test_ssz_weights_use_ssz_scales_and_stay_in_int4_range():
 
 
 def test_online_rotation_is_carried_over_and_applied_before_activation_quant():
-    """A Linear with buffer online_rotation R: QuantLinear computes quant(x @ R) @ W_dq^T (reference float64)."""
+    """A Linear with buffer online_rotation R: QuantLinear computes quant(x @ R^T) @ W_dq^T (float64 reference)."""
     torch.manual_seed(2)
     lin = nn.Linear(32, 8, bias=False)
     rot, _ = torch.linalg.qr(torch.randn(32, 32))

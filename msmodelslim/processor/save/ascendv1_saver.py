@@ -12,8 +12,8 @@ per-channel scale [out, 1]:
                   dim keeps its own part (vLLM-Ascend sums the columns it gets). Their total is the [out, 1] value.
       (8 = the int4 offset the Ascend int4 kernel uses when it computes with unsigned nibbles q + 8: the bias
       removes 8 * sum_k w_deq[o, k] again.)
-  X.bias (if any) in the source dtype; X.online_rotation (if any) in its own dtype: the runtime input rotation R,
-  input = x @ R. All of these are described with the linear's scheme name.
+  X.bias (if any) in the source dtype; X.online_rotation (if any) in its own dtype: the runtime input rotation T,
+  input = x @ T^T = F.linear(x, T). All of these are described with the linear's scheme name.
 FLOAT tensors (norms, router, convs, A_log, dt_bias, embeddings, lm_head, unquantized linears) are written in the
 dtype the source checkpoint stores them in (so fp32 A_log / dt_bias / e_score_correction_bias stay fp32); tensors
 the source stores as MXFP4 or does not have are written as `float_dtype` (bfloat16).

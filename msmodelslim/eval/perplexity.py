@@ -1,0 +1,230 @@
+"""Perplexity of the original checkpoint and of a written AscendV1 output, computed unit by unit.
+
+Never holds more than one unit: for each unit in order, the original unit is loaded from the source checkpoint and
+run over every window's hidden state, freed, then the same unit is loaded from the AscendV1 output (dequantised
+weights) with every linear described as W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC replaced by a `QuantLinear`
+built from the STORED integers and scales (per-token activation quantization, online rotation if stored), so the
+quantized pass computes what the runtime computes. The `head` unit's logits give the NLL of each window's next
+tokens (fp32 log-softmax); ppl = exp(mean NLL over all predicted tokens). Vision units are skipped (text only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
+from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    ppl_orig: float
+    ppl_quant: float
+    delta_pct: float  # 100 * (ppl_quant / ppl_orig - 1)
+    windows: int
+    tokens: int  # predicted tokens (windows * (seq_len - 1))
+
+
+class RotatedLinear(nn.Module):
+    """A float linear whose input is rotated at run time (`x @ online_rotation^T`)."""
+
+    def __init__(self, linear: nn.Linear, rotation: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("online_rotation", rotation)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(apply_online_rotation(x, self.online_rotation))
+
+
+def make_windows(ids: Sequence[int] | torch.Tensor, seq_len: int, max_windows: int | None) -> list[torch.Tensor]:
+    """Non-overlapping full windows [1, seq_len] from the start of the token stream (at most `max_windows`)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    count = ids.numel() // seq_len
+    if max_windows is not None:
+        count = min(count, max_windows)
+    return [ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0) for i in range(count)]
+
+
+def tokenize(adapter: ModelAdapter, text: str) -> list[int]:
+    """The checkpoint tokenizer's ids of `text`, without special tokens."""
+    tokenizer = adapter.tokenizer
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def wrap_quantized_linears(adapter: ModelAdapter, unit: Unit, module: nn.Module, reader: AscendV1Reader,
+                           compute_dtype: torch.dtype) -> dict[str, str]:
+    """Replace the unit's linears that the output describes as quantized (or rotated) by their runtime form.
+
+    Returns {live name: description type} of the replaced linears.
+    """
+    replaced: dict[str, str] = {}
+    targets = [(n, m) for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
+    for live_name, linear in targets:
+        ckpt = adapter.checkpoint_name(unit, live_name)
+        if ckpt + ".weight" not in reader.description:
+            continue
+        qtype = reader.quant_type(ckpt)
+        device = linear.weight.device
+        rotation = reader.online_rotation(ckpt, device)
+        if qtype in QUANT_TYPES:
+            q, scale = reader.quantized_weight(ckpt, device)
+            new: nn.Module = QuantLinear(linear.in_features, linear.out_features, qtype, q, scale,
+                                         bias=None if linear.bias is None else linear.bias.detach(),
+                                         online_rotation=rotation, compute_dtype=compute_dtype)
+        elif rotation is not None:
+            new = RotatedLinear(linear, rotation)
+        else:
+            continue
+        parent_name, _, child = live_name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, child, new)
+        replaced[live_name] = qtype
+    return replaced
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
+    """Sum of -log p(next token) over a window (fp32 log-softmax, float64 sum) and the number of predictions."""
+    logits = logits[0, :-1].float()
+    target = ids[0, 1:].to(logits.device)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)
+    return float(-logp.double().sum()), int(target.numel())
+
+
+def _run(adapter: ModelAdapter, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    with torch.no_grad():
+        return [adapter.forward_unit(unit, module, s) for s in states]
+
+
+def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], device: torch.device,
+                         reader: AscendV1Reader, compute_dtype: torch.dtype = torch.bfloat16) -> EvalResult:
+    """Original and quantized perplexity over `windows`, one unit in memory at a time."""
+    if not windows:
+        raise ValueError("no evaluation window (text shorter than one window?)")
+    variants = {"orig": None, "quant": reader}
+    states = {v: [{"input_ids": w} for w in windows] for v in variants}
+    nll = {v: 0.0 for v in variants}
+    count = {v: 0 for v in variants}
+    quantized = 0
+    for unit in adapter.units():
+        if unit.kind == "vision":
+            continue
+        for variant, unit_reader in variants.items():
+            t0 = time.perf_counter()
+            module = adapter.load_unit(unit, device, reader=unit_reader)
+            if unit_reader is not None:
+                quantized += len(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
+            out = _run(adapter, unit, module, states[variant])
+            adapter.free_unit(unit, module)
+            if unit.kind == "head":
+                for state, window in zip(out, windows):
+                    s, n = _nll(state["logits"], window)
+                    nll[variant] += s
+                    count[variant] += n
+                states[variant] = []
+            else:
+                states[variant] = out
+            logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
+    if count["orig"] == 0:
+        raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
+    ppl = {v: math.exp(nll[v] / count[v]) for v in variants}
+    logger.info("eval: %d quantized linears simulated", quantized)
+    return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
+                      windows=len(windows), tokens=count["orig"])
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    from msmodelslim.core.device import parse_device
+
+    spec = parse_device(device)
+    if spec.world_size != 1:
+        raise ValueError(f"--device {device!r}: eval runs on one device")
+    return spec.torch_device(0)
+
+
+def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path, device: str | torch.device = "cpu",
+             seq_len: int = 512, max_windows: int | None = 32, trust_remote_code: bool = False,
+             model_type: str = "Kimi-K3", adapter: ModelAdapter | None = None) -> dict[str, Any]:
+    """Perplexity of `model_path` and of the AscendV1 output `quant_path` on the text file `dataset`.
+
+    Returns {ppl_orig, ppl_quant, delta_pct, windows, tokens}. `adapter` (already built for `model_path` on
+    `device`) overrides the config.ini lookup of `model_type`.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be at least 1, got {max_windows}")
+    dataset = Path(dataset)
+    if not dataset.is_file():
+        raise FileNotFoundError(f"{dataset}: evaluation text file not found")
+    dev = _resolve_device(device)
+    reader = AscendV1Reader(quant_path)
+    if adapter is None:
+        from msmodelslim.core.dist import DistContext
+        from msmodelslim.model.registry import resolve_model_type
+
+        cls = resolve_model_type(model_type).load_adapter_class()
+        adapter = cls(model_path, trust_remote_code=trust_remote_code, dist=DistContext(device=dev))
+    text = dataset.read_text(encoding="utf-8")
+    windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
+    if not windows:
+        raise ValueError(f"{dataset}: fewer than seq_len={seq_len} tokens")
+    compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
+    result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
+    logger.info("perplexity over %d windows x %d tokens: original %.4f, quantized %.4f (%+.2f%%)", result.windows,
+                seq_len, result.ppl_orig, result.ppl_quant, result.delta_pct)
+    return asdict(result)
+
+
+def _bool(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text == "True"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="msmodelslim eval",
+                                description="Perplexity of the original model and of its AscendV1 quantized output.")
+    p.add_argument("--model_path", required=True, help="original weight directory")
+    p.add_argument("--quant_path", required=True, help="AscendV1 output directory of `msmodelslim quant`")
+    p.add_argument("--dataset", required=True, help="a UTF-8 text file")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:i] or npu[:i] (one device)")
+    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=512, help="tokens per window")
+    p.add_argument("--max-windows", "--max_windows", dest="max_windows", type=int, default=32,
+                   help="evaluate at most this many windows from the start of the text")
+    p.add_argument("--trust_remote_code", type=_bool, default=False, metavar="{True,False}")
+    p.add_argument("--model_type", default="Kimi-K3", help="a display name from config/config.ini")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    return p
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """`msmodelslim eval ...`; prints a summary (or one JSON line with --json) and returns the exit code."""
+    ns = build_parser().parse_args(None if argv is None else list(argv))
+    result = evaluate(ns.model_path, ns.quant_path, ns.dataset, device=ns.device, seq_len=ns.seq_len,
+                      max_windows=ns.max_windows, trust_remote_code=ns.trust_remote_code, model_type=ns.model_type)
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        print("msmodelslim eval")
+        print(f"  original   {ns.model_path}: ppl {result['ppl_orig']:.4f}")
+        print(f"  quantized  {ns.quant_path}: ppl {result['ppl_quant']:.4f} ({result['delta_pct']:+.2f}%)")
+        print(f"  text       {ns.dataset}: {result['windows']} windows x {ns.seq_len} tokens "
+              f"({result['tokens']} predicted)")
+    return 0
