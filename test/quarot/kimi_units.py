@@ -1,0 +1,175 @@
+"""Test-only driver: Kimi models split into runner units, processors applied unit by unit like the runner does.
+
+`ToyAdapter` answers what processors ask an adapter (units, checkpoint names, expert test, QuaRot plan, smoothing
+subgraphs) for an in-memory model; `process_units` calls `process_unit` on a hand-made UnitContext per unit, in the
+runner's order (vision, embed, layers.0..N-1, head), whose `run_samples` runs the whole model on the calibration
+samples (upstream units already processed, so statistics see what the runner would feed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from msmodelslim.core.dist import SINGLE
+from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.model.base import Unit
+from msmodelslim.model.kimi_k3 import quarot as kimi_quarot
+from msmodelslim.model.kimi_k3 import smooth as kimi_smooth
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN_DIR = REPO / "example" / "multimodal_vlm" / "Kimi-K3"
+SHARED = REPO / ".." / "shared"
+_EXPERT = re.compile(r"(?<!shared_)experts\.\d+\.")
+
+
+class Pieces(nn.Module):
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for k, v in children.items():
+            self.add_module(k, v)
+
+
+class ToyAdapter:
+    """Units of a KimiLinearForCausalLM (native or stand-in) or a stand-in KimiK3ForConditionalGeneration."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.is_vlm = hasattr(model, "vision_tower")
+        lm = model.language_model if self.is_vlm else model
+        self.lm_prefix = "language_model." if self.is_vlm else ""
+        self.units_modules: list[tuple[Unit, nn.Module]] = []
+        if self.is_vlm:
+            self.units_modules.append((Unit("vision", "vision", ""),
+                                       Pieces(vision_tower=model.vision_tower, mm_projector=model.mm_projector)))
+        p = self.lm_prefix
+        self.units_modules.append((Unit("embed", "embed", f"{p}model.embed_tokens."),
+                                   Pieces(embed_tokens=lm.model.embed_tokens)))
+        for i, layer in enumerate(lm.model.layers):
+            self.units_modules.append((Unit(f"layers.{i}", "decoder", f"{p}model.layers.{i}.", i), layer))
+        self.units_modules.append((Unit("head", "head", f"{p}model.norm."), Pieces(norm=lm.model.norm, lm_head=lm.lm_head)))
+
+    def units(self) -> list[Unit]:
+        return [u for u, _ in self.units_modules]
+
+    def checkpoint_name(self, unit: Unit, live_name: str) -> str:
+        if unit.kind == "decoder":
+            return unit.prefix + live_name
+        if unit.kind == "head":
+            return (self.lm_prefix + "lm_head" + live_name[len("lm_head"):]) if live_name.startswith("lm_head") \
+                else f"{self.lm_prefix}model.{live_name}"
+        if unit.kind == "embed":
+            return f"{self.lm_prefix}model.{live_name}"
+        return live_name
+
+    def is_expert(self, name: str) -> bool:
+        return _EXPERT.search(name + ".") is not None
+
+    def quarot_plan(self, unit: Unit, module: nn.Module):
+        return kimi_quarot.quarot_plan(unit, module)
+
+    def smooth_subgraphs(self, unit: Unit, module: nn.Module):
+        return kimi_smooth.smooth_subgraphs(unit, module)
+
+
+def process_units(adapter: ToyAdapter, processors: list, run_model: Callable[[], None]) -> None:
+    """What the layer-wise runner does for the processors: per unit in order, each processor's process_unit."""
+    for unit, module in adapter.units_modules:
+        ctx = UnitContext(unit=unit, module=module, adapter=adapter, dist=SINGLE, run_samples=run_model)
+        for proc in processors:
+            proc.process_unit(ctx)
+
+
+# --- models ------------------------------------------------------------------------------------------------------
+def standin_package():
+    if str(STANDIN_DIR) not in sys.path:
+        sys.path.insert(0, str(STANDIN_DIR))
+    import make_checkpoint
+
+    return make_checkpoint.load_remote_package(make_checkpoint.HERE)
+
+
+@contextlib.contextmanager
+def standin_cpu_kernels(modeling) -> Iterator[None]:
+    """Pure-torch kernels for the stand-in's FLA calls: the project's runtime patches when they exist, else the
+    stand-in tests' shims."""
+    try:
+        from msmodelslim.model.kimi_k3 import runtime_patches
+    except ImportError:
+        runtime_patches = None
+    if runtime_patches is not None and hasattr(runtime_patches, "runtime_patches"):
+        with runtime_patches.runtime_patches(modeling):
+            yield
+        return
+    sys.path.insert(0, str(REPO / "test" / "standin"))
+    try:
+        from fla_shims import fla_shims
+    finally:
+        sys.path.pop(0)
+    with fla_shims(modeling):
+        yield
+
+
+@contextlib.contextmanager
+def native_torch_kernels() -> Iterator[None]:
+    """transformers picks fla's Triton kernels when fla is importable; force its torch reference path."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as native
+
+    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+             "causal_conv1d_update")
+    saved = {n: getattr(native, n) for n in names}
+    for n, f in saved.items():
+        setattr(native, n, getattr(f, "__wrapped__", f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(native, n, f)
+
+
+@contextlib.contextmanager
+def per_expert_modules(model: nn.Module, config) -> Iterator[None]:
+    """Routed experts as a ModuleDict of w1/w2/w3 nn.Linear (the adapter's EP patch, one rank), weights copied
+    from the model's own experts (native fused 3-D tensors or the stand-in's ModuleList)."""
+    from msmodelslim.model.kimi_k3 import ep_patches
+
+    originals = [(m, m.experts) for m in model.modules() if ep_patches.is_moe_block(m)]
+    handle = ep_patches.apply_ep_patches(model, config, SINGLE)
+    with torch.no_grad():
+        for block, old in originals:
+            for key, expert in block.experts.items():
+                e = int(key)
+                if hasattr(old, "gate_up_proj"):
+                    gate, up = old.gate_up_proj[e].chunk(2, dim=0)
+                    expert.w1.weight.copy_(gate)
+                    expert.w3.weight.copy_(up)
+                    expert.w2.weight.copy_(old.down_proj[e])
+                else:
+                    expert.load_state_dict(old[e].state_dict())
+    try:
+        yield
+    finally:
+        handle.undo()
+
+
+@torch.no_grad()
+def randomize_norms(model: nn.Module, seed: int = 0) -> None:
+    """Non-trivial norm weights, biases and router correction biases, so fusing and smoothing are exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and ("norm" in name or name.endswith("bias")) and "dt_bias" not in name:
+            p.copy_((1.0 + 0.5 * torch.randn(p.shape, generator=gen)).to(p.dtype) if "norm" in name
+                    else 0.1 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.01 * torch.randn(b.shape, generator=gen))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
