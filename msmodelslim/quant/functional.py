@@ -99,31 +99,47 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
 
     For each row: q = clamp(round(w / s)); s = <w, q> / <q, q> (the least-squares scale for fixed q); repeat.
     Each step cannot increase the row's error ||w - s q||^2 (rounding is the best q for s, the projection the best
-    s for q), but the best scale seen per row is kept anyway, so the result is never worse than min/max.
-    Returns float32 scales [out, 1]; stops early when no row's scale changes.
+    s for q); the best scale seen per row is kept, judged by ||w||^2 - 2 s <w,q> + s^2 <q,q> from row dot products
+    (no residual tensor per step), and a final exact check keeps min/max for any row where it is not worse, so the
+    result never loses to min/max. Returns float32 scales [out, 1]; stops early when no row's scale changes.
     """
     d = _as_dtype(bits)
     work = _work_dtype(w)
     w2 = w.to(work).reshape(w.shape[0], -1)
-    s = minmax_scale(w2, d, PerChannel())
+    s0 = minmax_scale(w2, d, PerChannel())
+    ww = torch.linalg.vecdot(w2, w2).double().unsqueeze(-1)
+    q = torch.empty_like(w2)
 
-    def error(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.clamp(torch.round(w2 / scale), d.qmin, d.qmax)
-        return ((w2 - q * scale) ** 2).sum(dim=-1, keepdim=True), q
+    def rounded(scale: torch.Tensor) -> torch.Tensor:  # q(scale), written into one reused buffer
+        torch.div(w2, scale, out=q)
+        return q.round_().clamp_(d.qmin, d.qmax)
 
-    best_err, q = error(s)
-    best_s = s.clone()
-    for _ in range(iters):
-        qq = (q * q).sum(dim=-1, keepdim=True)
-        wq = (w2 * q).sum(dim=-1, keepdim=True)
+    s = s0
+    best_s, best_err = s0, None
+    for step in range(iters + 1):
+        rounded(s)
+        wq = torch.linalg.vecdot(w2, q).unsqueeze(-1)
+        qq = torch.linalg.vecdot(q, q).unsqueeze(-1)
+        sd = s.double()
+        err = ww - 2 * sd * wq.double() + sd * sd * qq.double()
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, s, best_s)
+        if step == iters:
+            break
         new_s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1), s)
         if torch.equal(new_s, s):
             break
         s = new_s
-        err, q = error(s)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s = torch.where(better, s, best_s)
+    # Exact guard against rounding in the dot-product error: min/max wins every row where it is not worse.
+    exact = {}
+    for key, scale in (("ssz", best_s), ("minmax", s0)):
+        rounded(scale)
+        exact[key] = ((w2 - q * scale) ** 2).sum(dim=-1, keepdim=True)
+    best_s = torch.where(exact["ssz"] < exact["minmax"], best_s, s0)
     return best_s.to(torch.float32)
 
 
