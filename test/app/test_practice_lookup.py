@@ -1,0 +1,98 @@
+"""app.practice: --quant_type lookup in lab_practice/<group>/ (highest score wins, ties are errors, sub-folders
+are ignored) and the shipped practices themselves. References: the literal file names expected to win."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.app.practice import find_practice
+from msmodelslim.app.resources import resource_path
+from msmodelslim.errors import UserError
+
+HEADER = """\
+apiversion: modelslim_v1
+metadata:
+  config_id: {name}
+  score: {score}
+  verified_model_types: [{models}]
+  label: {{w_bit: {w}, a_bit: {a}}}
+spec: {{}}
+"""
+
+
+def practice(root: Path, name: str, score: float, w: int = 4, a: int = 8, models: str = "M", sub: str = "") -> Path:
+    folder = root / "grp" / sub
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(HEADER.format(name=name, score=score, w=w, a=a, models=models))
+    return path
+
+
+def test_highest_score_wins(tmp_path):
+    practice(tmp_path, "low", 10)
+    best = practice(tmp_path, "best", 95)
+    practice(tmp_path, "other_model", 99, models="N")
+    practice(tmp_path, "other_quant", 99, w=8)
+    practice(tmp_path, "in_recipes", 100, sub="recipes")  # sub-folders are not searched
+    assert find_practice("M", "w4a8", "grp", tmp_path) == best
+
+
+def test_quant_type_is_case_insensitive_and_suffixes_count(tmp_path):
+    plain = practice(tmp_path, "w8a8", 50, w=8)
+    assert find_practice("M", "W8A8", "grp", tmp_path) == plain
+    with pytest.raises(UserError, match="available quant types: w8a8"):
+        find_practice("M", "w8a8s", "grp", tmp_path)
+
+
+def test_tied_top_score_names_both_files(tmp_path):
+    a = practice(tmp_path, "a", 90)
+    b = practice(tmp_path, "b", 90)
+    practice(tmp_path, "c", 10)
+    with pytest.raises(UserError) as info:
+        find_practice("M", "w4a8", "grp", tmp_path)
+    assert str(a) in str(info.value) and str(b) in str(info.value) and "top score 90" in str(info.value)
+
+
+def test_no_match_lists_available(tmp_path):
+    practice(tmp_path, "x", 1, w=8, a=16)
+    with pytest.raises(UserError, match="available quant types: w8a16"):
+        find_practice("M", "w4a8", "grp", tmp_path)
+    with pytest.raises(UserError, match=r"available quant types: \(none\)"):
+        find_practice("Unverified", "w4a8", "grp", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "quant_type", "file"),
+    [("Kimi-K3", "w4a8", "kimi_k3_w4a8.yaml"), ("Kimi-K3", "w8a8", "kimi_k3_w8a8.yaml"),
+     ("Kimi-Linear", "w4a8", "kimi_linear_w4a8.yaml"), ("Kimi-Linear", "w8a8", "kimi_linear_w8a8.yaml")],
+)
+def test_shipped_lookup(model_type, quant_type, file):
+    assert find_practice(model_type, quant_type, "kimi_k3") == resource_path("lab_practice") / "kimi_k3" / file
+
+
+def _real_registries():
+    try:
+        import msmodelslim.processor.catalog  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"a processor module is not there yet: {exc}")
+
+
+SHIPPED = sorted((resource_path("lab_practice")).rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name if p.parent.name == "kimi_k3" else f"recipes/{p.name}"
+                                               for p in SHIPPED])
+def test_shipped_practices_validate_against_the_real_processors(path):
+    from msmodelslim.core.config import load_practice
+
+    _real_registries()
+    practice = load_practice(path)
+    assert practice.quant_type in ("w4a8", "w8a8")
+    expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.verified_model_types \
+        else "modelslim_v1"
+    assert practice.apiversion == expected_api
+    assert [e.type for e in practice.spec.process][-1] == "linear_quant"
+    if path.parent.name == "recipes":
+        assert practice.metadata.score == 0
