@@ -104,6 +104,18 @@ def _check_save_path(model_path: Path, save_path: Path) -> None:
         )
 
 
+def _check_expert_split(model_path: Path, config: dict[str, Any], device: DeviceSpec) -> None:
+    """Expert parallelism splits the routed experts evenly; refuse an uneven split before any process starts."""
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    num_experts = text_config.get("num_experts")
+    if device.world_size > 1 and isinstance(num_experts, int) and num_experts > 0 \
+            and num_experts % device.world_size:
+        raise UserError(
+            f"{model_path / 'config.json'}: num_experts={num_experts} is not divisible by the "
+            f"{device.world_size} devices of --device {device}; choose a device count that divides {num_experts}"
+        )
+
+
 def _plan(args: QuantArgs) -> _Plan:
     """Every check that needs no model weights, in the order a user would fix them."""
     model_path = Path(args.model_path).expanduser().resolve()
@@ -116,6 +128,7 @@ def _plan(args: QuantArgs) -> _Plan:
     entry.check_dependencies()
     chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path)
     device = parse_device(args.device)
+    _check_expert_split(model_path, config, device)
     spec = chosen.practice.spec
     records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
     with_image = sum(r.image is not None for r in records)

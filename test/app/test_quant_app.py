@@ -164,6 +164,12 @@ def test_more_devices_than_records(tmp_path, model_dir, practice_file, stub_serv
     assert "has 1 records, fewer than the 2 devices" in message
 
 
+def test_expert_count_not_divisible_by_devices(tmp_path, model_dir, practice_file, stub_service):
+    (model_dir / "config.json").write_text(json.dumps({"text_config": {"num_experts": 16}}))
+    message = _fails(UserError, tmp_path, model_dir, config_path=str(practice_file), device="cpu:0,1,2")
+    assert "num_experts=16 is not divisible by the 3 devices of --device cpu:0,1,2" in message
+
+
 def test_bad_calibration_dataset(tmp_path, model_dir, practice_file, stub_service):
     practice_file.write_text(PRACTICE.format(apiversion="modelslim_v1", dataset="noSuchSet"))
     assert "unknown calibration dataset 'noSuchSet'" in _fails(UserError, tmp_path, model_dir,
