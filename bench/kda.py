@@ -1,0 +1,193 @@
+"""Benchmark msmodelslim's pure-PyTorch chunked KDA against the kernels it replaces.
+
+CPU (default): B=1, H=8, T=4096, K=V=128, fp32, Kimi-magnitude gates, the same inputs for every kernel:
+  - transformers' torch fallback ``chunk_kimi_delta_attention`` (the path transformers takes without fla),
+  - fla's ``naive_recurrent_kda`` (plain torch reference loop),
+  - ours (``msmodelslim.ops.kda.chunk_kda``).
+  Peak memory of ours is measured per T in fresh subprocesses (max RSS growth) to show it grows O(T).
+CUDA (``--device cuda``): B=8, H=32, T=4096, K=V=128, bf16; ours vs fla's Triton ``chunk_kda``
+  (``cuda_ratio_to_fla_triton`` = our time / fla time, median of several synchronised runs after warm-up).
+
+Prints one JSON line last. Usage: ``python bench/kda.py [--device cuda] [--T 4096] [--fallback-T 4096]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from msmodelslim.ops.kda import chunk_kda, kda_gate, l2norm  # noqa: E402
+
+logger = logging.getLogger("bench.kda")
+FLA_TOL = 0.005  # fla's own test tolerance (relative RMS error), bf16/fp16 vs fp32
+
+
+def make_inputs(B: int, H: int, T: int, K: int, V: int, device: str, dtype: torch.dtype, seed: int = 0):
+    """Kimi-magnitude inputs: A_log ~ log U(1, 16), raw gate ~ 3*N(0,1) + dt_bias -> per-step log-decay to ~-100s."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H * K, generator=gen)
+    g = kda_gate(3 * torch.randn(B, T, H, K, generator=gen), A_log, dt_bias)
+    beta = torch.rand(B, T, H, generator=gen)
+    return [x.to(device) for x in (q, k, v)], g.to(device), beta.to(device), dtype
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def timed(fn, repeats: int, warmup: int, sync=None) -> tuple[float, object]:
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        result = fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def ours(q, k, v, g, beta):
+    return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+def peak_mem_child(T: int, B: int, H: int, K: int, V: int) -> None:
+    """Run ours once at length T; print max-RSS growth (MB) over the inputs' footprint."""
+    (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.inference_mode():
+        ours(q, k, v, g, beta)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"T": T, "peak_mem_mb": round((peak - base) / 1024, 1)}))
+
+
+def cpu_bench(args) -> dict:
+    from fla.ops.kda.naive import naive_recurrent_kda
+    from transformers.models.kimi_linear import modeling_kimi_linear as tf_kimi
+
+    tf_fallback = inspect.unwrap(tf_kimi.chunk_kimi_delta_attention)  # the torch path under the fla wrapper
+    B, H, T, K, V = 1, 8, args.T, 128, 128
+    (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
+    res: dict = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "T": T, "K": K, "V": V,
+                 "dtype": "float32"}
+    with torch.inference_mode():
+        t_ours, (o, s) = timed(lambda: ours(q, k, v, g, beta), repeats=args.repeats, warmup=1)
+        qn, kn = l2norm(q), l2norm(k)
+        t_naive, (o_naive, s_naive) = timed(
+            lambda: naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True), repeats=1, warmup=0)
+        Tf = min(args.fallback_T, T)
+        t_ours_f = t_ours
+        if Tf != T:
+            t_ours_f, _ = timed(lambda: ours(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf]),
+                                repeats=args.repeats, warmup=1)
+        t_fb, (o_fb, s_fb) = timed(
+            lambda: tf_fallback(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf], output_final_state=True,
+                                use_qk_l2norm_in_kernel=True), repeats=1, warmup=0)
+    errs = {
+        "out_vs_fla_naive": rel_rms(o, o_naive),
+        "state_vs_fla_naive": rel_rms(s, s_naive),
+        "out_vs_transformers_fallback": rel_rms(o[:, :Tf], o_fb),
+    }
+    if Tf == T:
+        errs["state_vs_transformers_fallback"] = rel_rms(s, s_fb)
+    mem = {}
+    for Tm in args.mem_T:
+        out = subprocess.run([sys.executable, __file__, "--_mem-child", str(Tm)], capture_output=True, text=True,
+                             check=True)
+        mem[str(Tm)] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mem_mb"]
+    res.update({
+        "ours_ms": round(t_ours * 1e3, 1),
+        "fla_naive_recurrent_ms": round(t_naive * 1e3, 1),
+        "transformers_fallback_T": Tf,
+        "transformers_fallback_ms": round(t_fb * 1e3, 1),
+        "ours_ms_at_fallback_T": round(t_ours_f * 1e3, 1),
+        "cpu_speedup_vs_transformers_fallback": round(t_fb / t_ours_f, 2),
+        "cpu_speedup_vs_fla_naive_recurrent": round(t_naive / t_ours, 2),
+        "peak_mem_mb": mem.get(str(T)),
+        "peak_mem_mb_by_T": mem,
+        "rel_rms_errors": {key: float(f"{val:.3g}") for key, val in errs.items()},
+        "max_rel_err": float(f"{max(errs.values()):.3g}"),
+    })
+    return res
+
+
+def cuda_bench(args) -> dict:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    B, H, T, K, V = 8, 32, args.T, 128, 128
+    (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cuda", torch.bfloat16)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    beta = beta.to(torch.bfloat16)
+    h0 = torch.zeros(B, H, K, V, device="cuda", dtype=torch.float32)
+    sync = torch.cuda.synchronize
+
+    def fla_run():
+        return fla_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+
+    def ours_run():
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    with torch.inference_mode():
+        t_fla, (o_fla, s_fla) = timed(fla_run, repeats=args.repeats, warmup=3, sync=sync)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t_ours, (o, s) = timed(ours_run, repeats=args.repeats, warmup=2, sync=sync)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    errs = {"out_vs_fla_triton": rel_rms(o, o_fla), "state_vs_fla_triton": rel_rms(s, s_fla)}
+    return {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "T": T, "K": K, "V": V,
+        "dtype": "bfloat16", "ours_ms": round(t_ours * 1e3, 2), "fla_triton_ms": round(t_fla * 1e3, 2),
+        "cuda_ratio_to_fla_triton": round(t_ours / t_fla, 2), "peak_mem_mb": round(peak, 1),
+        "rel_rms_errors": {key: float(f"{val:.3g}") for key, val in errs.items()},
+        "max_rel_err": float(f"{max(errs.values()):.3g}"), "tolerance": FLA_TOL,
+        "within_tolerance": max(errs.values()) <= FLA_TOL,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--T", type=int, default=4096)
+    parser.add_argument("--fallback-T", type=int, default=4096,
+                        help="sequence length for transformers' fallback (it materialises [B,H,N,64,64,K])")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mem-T", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--_mem-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore")
+    if args._mem_child is not None:
+        peak_mem_child(args._mem_child, 1, 8, 128, 128)
+        return
+    res = cuda_bench(args) if args.device == "cuda" else cpu_bench(args)
+    res.update({"host": platform.node(), "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)})
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
