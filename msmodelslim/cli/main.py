@@ -7,15 +7,11 @@ Exit status: 0 done; 2 bad input (one line `msmodelslim: error: ...`, no traceba
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from msmodelslim.errors import UserError
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_LEVEL_ENV = "MSMODELSLIM_LOG_LEVEL"
+from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 
 
 def _bool_literal(text: str) -> bool:
@@ -64,11 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(level: str | None) -> None:
-    name = (level or os.environ.get(LOG_LEVEL_ENV) or "info").lower()
-    if name not in LOG_LEVELS:
-        raise UserError(f"${LOG_LEVEL_ENV}={name!r}: expected one of {', '.join(LOG_LEVELS)}")
-    logging.basicConfig(level=getattr(logging, name.upper()), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    configure_logging(level)
 
 
 def _size(n: int) -> str:

@@ -1,1 +1,1 @@
-from quant_fixtures import model_dir, practice_file, stub_service  # noqa: F401 - fixtures of the app tests
+from quant_fixtures import model_dir, practice_file, restore_log_level_env, stub_service  # noqa: F401 - fixtures

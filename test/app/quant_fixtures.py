@@ -75,3 +75,9 @@ def stub_service(monkeypatch):
 
     monkeypatch.setattr(quant_service, "run_service", run_service)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def restore_log_level_env(monkeypatch):
+    """The CLI exports $MSMODELSLIM_LOG_LEVEL for its workers; keep that inside each test."""
+    monkeypatch.delenv("MSMODELSLIM_LOG_LEVEL", raising=False)
