@@ -23,25 +23,23 @@ def make_checkpoint_module():
 
 
 def load_dense_state_dict(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """All tensors of a sharded checkpoint, MXFP4 pairs decoded to `<name>.weight`."""
-    from msmodelslim.formats.mxfp4 import decode_mxfp4
+    """All tensors of a checkpoint by logical name, MXFP4 experts decoded (formats.checkpoint reader)."""
+    from msmodelslim.formats.checkpoint import open_checkpoint
 
+    with open_checkpoint(model_dir) as reader:
+        return {k: reader.get(k, "cpu", dtype if reader.is_mxfp4(k) else None) for k in reader.keys()}
+
+
+def stored_tensor_info(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{stored key: (shape, safetensors dtype)} from the shard headers, without reading data."""
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    raw: dict[str, torch.Tensor] = {}
+    info = {}
     for fname in sorted(set(index["weight_map"].values())):
         with safe_open(str(model_dir / fname), "pt") as f:
             for k in f.keys():
-                raw[k] = f.get_tensor(k)
-    out = {}
-    for k, t in raw.items():
-        if k.endswith(".weight_scale"):
-            continue
-        if k.endswith(".weight_packed"):
-            base = k[: -len(".weight_packed")]
-            out[base + ".weight"] = decode_mxfp4(t, raw[base + ".weight_scale"], dtype, name=base)
-        else:
-            out[k] = t
-    return out
+                sl = f.get_slice(k)
+                info[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return info
 
 
 def modeling_module(model: torch.nn.Module):
