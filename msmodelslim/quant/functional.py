@@ -105,7 +105,7 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
     """
     d = _as_dtype(bits)
     work = _work_dtype(w)
-    w2 = w.to(work).reshape(w.shape[0], -1)
+    w2 = w.detach().to(work).reshape(w.shape[0], -1)
     s0 = minmax_scale(w2, d, PerChannel())
     ww = torch.linalg.vecdot(w2, w2).double().unsqueeze(-1)
     q = torch.empty_like(w2)

@@ -133,3 +133,10 @@ def test_pack_rejects_out_of_range_and_odd_sizes():
         pack_int4(torch.tensor([[8], [0]], dtype=torch.int8))
     with pytest.raises(ValueError, match="odd"):
         pack_int4(torch.zeros(3, 2, dtype=torch.int8))
+
+
+def test_quantizers_accept_parameters_that_require_grad():
+    w = torch.nn.Parameter(torch.randn(4, 16))
+    s = ssz_scale_search(w, 4)
+    q, _ = quantize_symmetric(w, 4)
+    assert s.shape == (4, 1) and not s.requires_grad and q.dtype == torch.int8
