@@ -65,7 +65,7 @@ class KimiK3ModelAdapter(ModelAdapter):
     """Model knowledge for Kimi-K3 and Kimi-Linear (remote code or transformers' native class)."""
 
     def __init__(self, model_path: str | Path, trust_remote_code: bool = False, dist: DistContext = SINGLE,
-                 dtype: torch.dtype = torch.bfloat16, fla_on_cuda: bool = False) -> None:
+                 dtype: torch.dtype = torch.bfloat16, torch_kernels_on_cuda: bool = False) -> None:
         super().__init__(model_path, trust_remote_code)
         self.dist = dist
         self.dtype = dtype
@@ -88,7 +88,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         self.expert_range = resolve_expert_ep_range(int(self.text_config.num_experts), dist.rank, dist.world_size)
         self._ep = ep_patches.apply_ep_patches(self.model, self.text_config, dist)
         self._kernels = runtime_patches.apply_runtime_patches(
-            runtime_patches.find_fla_modules(self.model), device_type=dist.device.type, force=not fla_on_cuda)
+            runtime_patches.find_fla_modules(self.model), device_type=dist.device.type, force=torch_kernels_on_cuda)
         self._tokenizer: Any = None
         self._processor: Any = None
         self._mask_cache: dict[int, Any] = {}
