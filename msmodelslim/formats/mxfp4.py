@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +36,8 @@ _PAIR_WORD = {2: torch.int32, 4: torch.int64}
 _ELEM_INT = {2: torch.int16, 4: torch.int32}
 
 _table_lock = threading.Lock()
+# Groups per CPU chunk: 1024 groups = 16384 index words, under ATen's 32768-element parallel grain.
+_CPU_CHUNK_GROUPS = 1024
 
 
 def _check_decode_inputs(packed: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -109,6 +112,7 @@ def decode_mxfp4(
     exponent_bias: int = MXFP4_EXPONENT_BIAS,
     *,
     name: str = "tensor",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantize compressed-tensors MXFP4 to a dense [out, in] tensor on ``packed.device``.
 
@@ -118,19 +122,83 @@ def decode_mxfp4(
         dtype: output dtype (bfloat16, float16 or float32).
         exponent_bias: 127 by the spec; 125 for checkpoints written by compressed-tensors 0.13.x.
         name: used in error messages (the checkpoint key).
+        out: optional contiguous [out, in] tensor of ``dtype`` on the same device to decode into
+            (e.g. a module's parameter, saving an allocation); returned.
     """
     _check_decode_inputs(packed, scale, name)
+    rows, half_cols = packed.shape
+    if out is None:
+        out = torch.empty(rows, 2 * half_cols, dtype=dtype, device=packed.device)
+    elif out.shape != (rows, 2 * half_cols) or out.dtype != dtype or out.device != packed.device or not out.is_contiguous():
+        raise ValueError(
+            f"{name}: out must be a contiguous {dtype} tensor of shape {(rows, 2 * half_cols)} on {packed.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if out.numel() == 0:
+        return out
+    table = _pair_table(packed.device, dtype, exponent_bias)
+    # One gather per packed byte: index (e << 8 | byte) selects both decoded elements at once, scale
+    # included, so there is no multiply and every value is the table's exactly rounded one.
+    # Flat views: one row per 32-element group (16 packed bytes, one exponent).
+    codes = packed.contiguous().view(-1, GROUP_SIZE // 2)
+    shifted = (scale.contiguous().view(-1, 1).to(torch.int32) << 8)
+    words = out.view(table.dtype).view(-1, GROUP_SIZE // 2)  # one word = the two elements of one byte
+    if packed.device.type == "cpu":
+        _check_no_nan_scale(scale, name)
+        _decode_cpu(codes, shifted, table, words)
+    else:
+        index = torch.add(codes, shifted)  # == shifted | codes: the low 8 bits of shifted are 0
+        torch.index_select(table, 0, index.view(-1), out=words.view(-1))
+        _check_no_nan_scale(scale, name)  # after queueing the decode: the one device sync overlaps it
+    return out
+
+
+def _check_no_nan_scale(scale: torch.Tensor, name: str) -> None:
     if bool((scale == _E8M0_NAN).any()):
         bad = (scale == _E8M0_NAN).nonzero()[0].tolist()
         raise ValueError(f"{name}: weight_scale holds E8M0 NaN (255) at {tuple(bad)}")
-    rows, half_cols = packed.shape
-    table = _pair_table(packed.device, dtype, exponent_bias)
-    # One gather per packed byte: index (e << 8 | byte) selects both decoded elements at once,
-    # scale included, so there is no multiply and every value is the table's exactly rounded one.
-    groups = half_cols * 2 // GROUP_SIZE
-    index = (scale.to(torch.int32) << 8).unsqueeze(-1) | packed.reshape(rows, groups, GROUP_SIZE // 2)
-    words = table[index.reshape(rows, half_cols)]
-    return words.view(dtype)
+
+
+def _decode_groups(codes: torch.Tensor, shifted: torch.Tensor, table: torch.Tensor, words: torch.Tensor,
+                   g0: int, g1: int) -> None:
+    """Decode groups [g0, g1) chunk by chunk; each op stays below ATen's parallel grain (serial, no
+    OpenMP barrier) and the int32 index chunk stays in L1/L2 between its two passes."""
+    index_buf = torch.empty(min(_CPU_CHUNK_GROUPS, g1 - g0), GROUP_SIZE // 2, dtype=torch.int32)
+    for c0 in range(g0, g1, _CPU_CHUNK_GROUPS):
+        c1 = min(g1, c0 + _CPU_CHUNK_GROUPS)
+        index = index_buf[: c1 - c0]
+        torch.add(codes[c0:c1], shifted[c0:c1], out=index)
+        torch.index_select(table, 0, index.view(-1), out=words[c0:c1].view(-1))
+
+
+def _decode_cpu(codes: torch.Tensor, shifted: torch.Tensor, table: torch.Tensor, words: torch.Tensor) -> None:
+    n_groups = codes.shape[0]
+    workers = min(torch.get_num_threads(), n_groups // (4 * _CPU_CHUNK_GROUPS))
+    if workers <= 1:
+        _decode_groups(codes, shifted, table, words, 0, n_groups)
+        return
+    # Split the groups between `workers` threads (torch ops release the GIL); serial ops inside each.
+    bounds = [n_groups * i // workers for i in range(workers + 1)]
+    pool = _cpu_pool(workers)
+    futures = [pool.submit(_decode_groups, codes, shifted, table, words, bounds[i], bounds[i + 1])
+               for i in range(1, workers)]
+    _decode_groups(codes, shifted, table, words, bounds[0], bounds[1])  # this thread takes the first part
+    for future in futures:
+        future.result()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _cpu_pool(workers: int) -> ThreadPoolExecutor:
+    """Helper threads for `workers`-way CPU decode (the caller's thread is the first worker)."""
+    global _pool, _pool_size
+    with _table_lock:
+        if _pool is None or _pool_size < workers - 1:
+            _pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="mxfp4-decode")
+            _pool_size = workers - 1
+        return _pool
 
 
 def encode_mxfp4(weight: torch.Tensor, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:

@@ -191,3 +191,27 @@ def test_decode_on_cuda_matches_cpu_and_stays_on_device():
     assert same_bits(out.cpu(), decode_mxfp4(packed, scale))
     p2, s2 = encode_mxfp4(out)
     assert p2.device.type == "cuda"
+
+
+def test_decode_large_tensor_uses_chunked_threaded_path_bitexact():
+    # 512 x 1024 = 16384 groups: above the threshold where the CPU decode splits work across threads
+    packed, scale = _random_codes(512, 1024, seed=8)
+    scale[7, 3], scale[300, 31] = 0, 254
+    assert same_bits(decode_mxfp4(packed, scale), ct_decode(packed, scale))
+
+
+def test_decode_into_out_buffer_and_rejects_wrong_out():
+    packed, scale = _random_codes(8, 64, seed=9)
+    buf = torch.empty(8, 64, dtype=torch.bfloat16)
+    assert decode_mxfp4(packed, scale, out=buf) is buf
+    assert same_bits(buf, ct_decode(packed, scale))
+    with pytest.raises(ValueError, match="w5: out must be"):
+        decode_mxfp4(packed, scale, out=torch.empty(8, 64), name="w5")
+
+
+def test_decode_non_contiguous_inputs():
+    packed, scale = _random_codes(16, 128, seed=10)
+    p_nc = packed.t().contiguous().t()
+    s_nc = scale.t().contiguous().t()
+    assert not p_nc.is_contiguous()
+    assert same_bits(decode_mxfp4(p_nc, s_nc), ct_decode(packed, scale))
