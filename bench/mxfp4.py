@@ -37,12 +37,13 @@ def _sync(device: torch.device) -> None:
         torch.npu.synchronize(device)  # type: ignore[attr-defined]
 
 
-def _timed(fn, device: torch.device) -> float:
+def _timed(fn, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds: all threads, not counting time preempted by other processes)."""
     _sync(device)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _bitexact_sample(packed: torch.Tensor, scale: torch.Tensor, rows: int = 256) -> bool:
@@ -110,9 +111,10 @@ def main() -> None:
         t["decode"].append(_timed(decode_pre, device))
         t["clone"].append(_timed(clone, device))
         t["decode_alloc"].append(_timed(decode_alloc, device))
-    med = {k: statistics.median(v) for k, v in t.items()}
-    ratios = [c / d for c, d in zip(t["copy"], t["decode"])]
-    alloc_ratios = [c / d for c, d in zip(t["clone"], t["decode_alloc"])]
+    med = {k: statistics.median(w for w, _ in v) for k, v in t.items()}
+    ratios = [c[0] / d[0] for c, d in zip(t["copy"], t["decode"])]
+    alloc_ratios = [c[0] / d[0] for c, d in zip(t["clone"], t["decode_alloc"])]
+    cpu_ratios = [c[1] / d[1] for c, d in zip(t["copy"], t["decode"]) if c[1] > 0 and d[1] > 0]
     result = {
         "bench": "mxfp4_decode",
         "device": str(device),
@@ -129,6 +131,8 @@ def main() -> None:
         "decode_alloc_gbps": round(out_bytes / med["decode_alloc"] / 1e9, 3),
         "clone_gbps": round(out_bytes / med["clone"] / 1e9, 3),
         "alloc_ratio_to_clone": round(statistics.median(alloc_ratios), 3),
+        # CPU-seconds ratio (copy / decode, preallocated): robust to other processes on a shared host
+        "cpu_seconds_ratio": round(statistics.median(cpu_ratios), 3) if cpu_ratios and device.type == "cpu" else None,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     target = 0.5 if device.type == "cuda" else 0.25

@@ -208,19 +208,26 @@ def test_kimi_linear_mini_every_expert_equals_compressed_tensors():
     experts = [k for k in reader.keys() if reader.is_mxfp4(k)]
     assert len(experts) == sum(k.endswith("weight_packed") for k in index) > 0
     handles = {}
+
+    def stored(key):
+        f = index[key]
+        handles.setdefault(f, safe_open(str(MINI / f), "pt"))
+        return handles[f].get_tensor(key)
+
+    # compressed-tensors decodes row by row, so one call per weight shape on the row-stacked experts is the
+    # same reference as one call per expert (and ~100x faster than 336 calls)
+    by_shape: dict[tuple, list] = {}
     for name in experts:
         module = name.removesuffix(".weight")
-        parts = []
-        for suffix in (".weight_packed", ".weight_scale"):
-            f = index[module + suffix]
-            handles.setdefault(f, safe_open(str(MINI / f), "pt"))
-            parts.append(handles[f].get_tensor(module + suffix))
-        assert same_bits(reader.get(name, "cpu"), ct_decode(*parts)), name
+        packed, scale = stored(module + ".weight_packed"), stored(module + ".weight_scale")
+        by_shape.setdefault(tuple(packed.shape), []).append((name, packed, scale))
+    for items in by_shape.values():
+        ref = ct_decode(torch.cat([p for _, p, _ in items]), torch.cat([s for _, _, s in items]))
+        ours = torch.cat([reader.get(name, "cpu") for name, _, _ in items])
+        assert same_bits(ours, ref)
     dense = [k for k in reader.keys() if not reader.is_mxfp4(k)]
-    for name in dense[:20]:
-        f = index[name]
-        handles.setdefault(f, safe_open(str(MINI / f), "pt"))
-        assert torch.equal(reader.get(name, "cpu"), handles[f].get_tensor(name))
+    for name in dense:
+        assert torch.equal(reader.get(name, "cpu"), stored(name)), name
 
 
 def _linked_copy(dst: Path) -> Path:
