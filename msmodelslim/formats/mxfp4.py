@@ -39,6 +39,7 @@ _table_lock = threading.Lock()
 # Groups per CPU chunk: 2040 groups = 32640 index words, just under ATen's 32768-element parallel grain, so
 # each op runs serially in the calling thread (per-op overhead is ~5% at this size).
 _CPU_CHUNK_GROUPS = 2040
+_CPU_SERIAL_ELEMS = 32000
 
 
 def _check_decode_inputs(packed: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -142,13 +143,12 @@ def decode_mxfp4(
     # included, so there is no multiply and every value is the table's exactly rounded one.
     # Flat views: one row per 32-element group (16 packed bytes, one exponent).
     codes = packed.contiguous().view(-1, GROUP_SIZE // 2)
-    shifted = (scale.contiguous().view(-1, 1).to(torch.int32) << 8)
+    flat_scale = scale.contiguous().view(-1, 1)
     words = out.view(table.dtype).view(-1, GROUP_SIZE // 2)  # one word = the two elements of one byte
     if packed.device.type == "cpu":
-        _check_no_nan_scale(scale, name)
-        _decode_cpu(codes, shifted, table, words)
+        _decode_cpu(codes, _shifted_scale_cpu(flat_scale, scale, name), table, words)
     else:
-        index = torch.add(codes, shifted)  # == shifted | codes: the low 8 bits of shifted are 0
+        index = torch.add(codes, flat_scale.to(torch.int32) << 8)  # == e << 8 | byte
         torch.index_select(table, 0, index.view(-1), out=words.view(-1))
         _check_no_nan_scale(scale, name)  # after queueing the decode: the one device sync overlaps it
     return out
@@ -158,6 +158,21 @@ def _check_no_nan_scale(scale: torch.Tensor, name: str) -> None:
     if bool((scale == _E8M0_NAN).any()):
         bad = (scale == _E8M0_NAN).nonzero()[0].tolist()
         raise ValueError(f"{name}: weight_scale holds E8M0 NaN (255) at {tuple(bad)}")
+
+
+def _shifted_scale_cpu(flat_scale: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """``e << 8`` as int32 [groups, 1], rejecting e = 255; in pieces below ATen's parallel grain so no
+    OpenMP region starts (its spinning workers would compete with the decode threads on a small host)."""
+    n = flat_scale.shape[0]
+    shifted = torch.empty(n, 1, dtype=torch.int32)
+    for a in range(0, n, _CPU_SERIAL_ELEMS):
+        piece = flat_scale[a : a + _CPU_SERIAL_ELEMS]
+        if int(piece.max()) == _E8M0_NAN:
+            _check_no_nan_scale(scale, name)
+        dst = shifted[a : a + _CPU_SERIAL_ELEMS]
+        dst.copy_(piece)
+        dst.bitwise_left_shift_(8)
+    return shifted
 
 
 def _decode_groups(codes: torch.Tensor, shifted: torch.Tensor, table: torch.Tensor, words: torch.Tensor,
