@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from msmodelslim.core.dist import SINGLE
+from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3 import quarot as kimi_quarot
@@ -78,10 +78,13 @@ class ToyAdapter:
         return kimi_smooth.smooth_subgraphs(unit, module)
 
 
-def process_units(adapter: ToyAdapter, processors: list, run_model: Callable[[], None]) -> None:
+def process_units(adapter: ToyAdapter, processors: list, run_model: Callable[[], None], dist: DistContext = SINGLE,
+                  only: str | None = None) -> None:
     """What the layer-wise runner does for the processors: per unit in order, each processor's process_unit."""
     for unit, module in adapter.units_modules:
-        ctx = UnitContext(unit=unit, module=module, adapter=adapter, dist=SINGLE, run_samples=run_model)
+        if only is not None and unit.name != only:
+            continue
+        ctx = UnitContext(unit=unit, module=module, adapter=adapter, dist=dist, run_samples=run_model)
         for proc in processors:
             proc.process_unit(ctx)
 
@@ -109,7 +112,7 @@ def standin_cpu_kernels(modeling) -> Iterator[None]:
         return
     sys.path.insert(0, str(REPO / "test" / "standin"))
     try:
-        from fla_shims import fla_shims
+        from standin_fla_shims import fla_shims
     finally:
         sys.path.pop(0)
     with fla_shims(modeling):
@@ -134,13 +137,14 @@ def native_torch_kernels() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def per_expert_modules(model: nn.Module, config) -> Iterator[None]:
-    """Routed experts as a ModuleDict of w1/w2/w3 nn.Linear (the adapter's EP patch, one rank), weights copied
-    from the model's own experts (native fused 3-D tensors or the stand-in's ModuleList)."""
+def per_expert_modules(model: nn.Module, config, dist: DistContext = SINGLE) -> Iterator[None]:
+    """Routed experts as a ModuleDict of w1/w2/w3 nn.Linear (the adapter's EP patch; with `dist` of several ranks
+    only this rank's experts), weights copied from the model's own experts (native fused 3-D tensors or the
+    stand-in's ModuleList)."""
     from msmodelslim.model.kimi_k3 import ep_patches
 
     originals = [(m, m.experts) for m in model.modules() if ep_patches.is_moe_block(m)]
-    handle = ep_patches.apply_ep_patches(model, config, SINGLE)
+    handle = ep_patches.apply_ep_patches(model, config, dist)
     with torch.no_grad():
         for block, old in originals:
             for key, expert in block.experts.items():
@@ -172,4 +176,5 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())

@@ -1,0 +1,229 @@
+"""IterSmooth processor on Kimi models.
+
+Invariance: smoothing alone (no quantization) leaves the logits of the float32 model unchanged; reference = the same
+model before the processor, tolerance relative RMS logit error < 2e-5 (fp32 rounding; a scale folded on one side
+only gives errors of order 1). Scales are checked against the SmoothQuant formula in float64 (rel 1e-6), unrouted
+experts bit-for-bit, and the expert-parallel reduction by simulating two ranks against the one-device run
+(bit-exact: max reductions are exact).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from kimi_test_models import MINI, kimi_linear_mini, mini_tokens, native_kimi_linear, standin_inputs, standin_vlm
+from kimi_units import ToyAdapter, native_torch_kernels, per_expert_modules, process_units, rel_err, standin_cpu_kernels
+
+from msmodelslim.core.dist import DistContext
+from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.processor.iter_smooth import SUBGRAPH_TYPES, IterSmoothConfig, IterSmoothProcessor, smooth_scale
+from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
+
+TOL = 2e-5
+
+
+def logits_of(model, samples):
+    with torch.no_grad():
+        return [model(**s, use_cache=False).logits for s in samples]
+
+
+def smoother(adapter, **kw) -> IterSmoothProcessor:
+    cfg = IterSmoothConfig(**kw)
+    cfg.validate()
+    return IterSmoothProcessor(cfg, adapter)
+
+
+def test_smooth_scale_formula_and_no_information_channels():
+    x = torch.tensor([4.0, 0.0, 2.0, 1e-30, 3.0])
+    w = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0])
+    s = smooth_scale(x, w, alpha=0.9, scale_min=1e-5)
+    assert abs(float(s[0]) - 4.0**0.9 / 0.5**0.1) < 1e-9
+    assert float(s[1]) == 1.0 and float(s[2]) == 1.0  # no activation / no weight: untouched
+    assert float(s[3]) == 1e-5  # clamped
+    assert torch.isfinite(s).all()
+
+
+def test_standin_vlm_logits_unchanged_by_smoothing():
+    model, pkg = standin_vlm()
+    samples = standin_inputs(model)
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
+        ref = logits_of(model, samples)
+        adapter = ToyAdapter(model)
+        gamma = model.language_model.model.layers[1].post_attention_layernorm.weight.detach().clone()
+        proc = smoother(adapter)
+        process_units(adapter, [proc], lambda: logits_of(model, samples))
+        out = logits_of(model, samples)
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) < TOL
+    assert rel_err(model.language_model.model.layers[1].post_attention_layernorm.weight, gamma) > 0.1
+    counts = proc.describe()["smoothed"]
+    assert set(counts) == set(SUBGRAPH_TYPES)  # every kind of subgraph ran
+    assert counts["gated-norm-linear"] == 3 and counts["ov"] == 1
+
+
+def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():
+    """QuaRot (with online down rotations) then IterSmooth, as in a practice: still the same logits."""
+    model = native_kimi_linear()
+    samples = [{"input_ids": torch.randint(3, 256, (2, 37), generator=torch.Generator().manual_seed(1))}]
+    with native_torch_kernels(), per_expert_modules(model, model.config):
+        ref = logits_of(model, samples)
+        adapter = ToyAdapter(model)
+        rot = QuaRotProcessor(QuaRotConfig(online_down=True), adapter)
+        proc = smoother(adapter, alpha=0.5)
+        process_units(adapter, [rot, proc], lambda: logits_of(model, samples))
+        out = logits_of(model, samples)
+    assert rel_err(out[0], ref[0]) < TOL
+    # up-down pairs whose down projection takes an online Hadamard cannot be smoothed (the quantizer sees T x)
+    assert proc.describe()["skipped_online_rotated"] > 0
+
+
+@pytest.mark.skipif(not MINI.is_dir(), reason=f"{MINI} not available")
+def test_kimi_linear_mini_logits_unchanged_by_smoothing(tmp_path):
+    model = kimi_linear_mini(tmp_path)
+    samples = [{"input_ids": mini_tokens(128, offset=2000)}]
+    with native_torch_kernels(), per_expert_modules(model, model.config):
+        ref = logits_of(model, samples)
+        adapter = ToyAdapter(model)
+        process_units(adapter, [smoother(adapter)], lambda: logits_of(model, samples))
+        out = logits_of(model, samples)
+    assert rel_err(out[0], ref[0]) < TOL
+
+
+def _layer(adapter, name):
+    return next((u, m) for u, m in adapter.units_modules if u.name == name)
+
+
+def test_expert_without_tokens_is_left_untouched():
+    """An expert that no calibration token reached gets s = 1 on its up-down pair (bit-identical weights)."""
+    model, pkg = standin_vlm()
+    samples = standin_inputs(model)[1:]
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
+        block = model.language_model.model.layers[1].block_sparse_moe
+        with torch.no_grad():
+            block.gate.weight[5] = 0.0
+            block.gate.e_score_correction_bias[5] = -100.0  # expert 5 is never chosen
+        before = {w: getattr(block.experts["5"], w).weight.detach().clone() for w in ("w2", "w3")}
+        adapter = ToyAdapter(model)
+        unit, layer = _layer(adapter, "layers.1")
+        smoother(adapter, enable_subgraph_type=["up-down"]).process_unit(
+            UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples)))
+        for w, t in before.items():
+            assert torch.equal(getattr(block.experts["5"], w).weight, t)
+        assert not torch.equal(block.experts["4"].w3.weight, block.experts["4"].w3.weight.new_zeros(1))
+
+
+def test_gated_norm_scale_is_shared_by_heads():
+    """o_norm's weight [V] absorbs one scale per V channel: s_j = max over heads of the SmoothQuant scale inputs."""
+    model, pkg = standin_vlm()
+    samples = standin_inputs(model)
+    with standin_cpu_kernels(pkg.modeling_kimi_k3):
+        adapter = ToyAdapter(model)
+        unit, layer = _layer(adapter, "layers.0")
+        attn = layer.self_attn
+        ctx = UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples))
+        x = ctx.collect_input_absmax(["self_attn.o_proj"])["self_attn.o_proj"].double().view(2, -1).amax(0)
+        w = attn.o_proj.weight.detach().double().abs().amax(0).view(2, -1).amax(0)
+        gamma, wo = attn.o_norm.weight.detach().double().clone(), attn.o_proj.weight.detach().double().clone()
+        smoother(adapter, enable_subgraph_type=["gated-norm-linear"], alpha=0.7).process_unit(ctx)
+    s = (x.pow(0.7) / w.pow(0.3)).clamp(min=1e-5)
+    assert rel_err(attn.o_norm.weight, gamma / s) < 1e-6
+    assert rel_err(attn.o_proj.weight, wo * s.repeat(2)) < 1e-6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _smooth_moe_layer(dist: DistContext, sample_ids: list[int], out: Path) -> None:
+    """Smooth layers.1 (latent MoE) of the stand-in with the samples `sample_ids`; save the layer's weights."""
+    model, pkg = standin_vlm()
+    samples = [standin_inputs(model)[i] for i in sample_ids]
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config, dist):
+        adapter = ToyAdapter(model)
+        calls = []
+        reduce = dist.all_reduce_max
+
+        def counting(stats):
+            calls.append(sorted(stats))
+            return reduce(stats)
+
+        object.__setattr__(dist, "all_reduce_max", counting)
+        process_units(adapter, [smoother(adapter)], lambda: logits_of(model, samples), dist, only="layers.1")
+        layer = model.language_model.model.layers[1]
+        torch.save({"state": layer.state_dict(), "calls": calls}, out)
+
+
+def _ep_rank(rank: int, world: int, port: int, out: Path) -> None:
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _smooth_moe_layer(DistContext(rank, world, torch.device("cpu")), [rank], out / f"rank{rank}.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_expert_parallel_smoothing_equals_one_device(tmp_path):
+    """Two gloo ranks (EP: experts 0-7 / 8-15; DP: one calibration sample each) against one device with both
+    samples: replicated weights bit-identical on both ranks and equal to one device (rel 1e-6: the EP forward sums
+    expert outputs in another order), every expert equal to its one-device version; one extra collective per MoE
+    layer (latent_down -> experts) besides the statistics reduction."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs = [ctx.Process(target=_ep_rank, args=(r, 2, port, tmp_path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    _smooth_moe_layer(DistContext(), [0, 1], tmp_path / "single.pt")
+    r0, r1, single = (torch.load(tmp_path / f"{n}.pt") for n in ("rank0", "rank1", "single"))
+    assert r0["calls"] == r1["calls"]
+    assert r0["calls"][1:] == [["skip", "w", "x"]]  # statistics reduction, then the cross-rank scale
+    experts = re.compile(r"(?<!shared_)experts\.")
+    for name, t in single["state"].items():
+        holders = [r["state"] for r in (r0, r1) if name in r["state"]]
+        assert holders, name
+        if not experts.search(name):
+            assert torch.equal(r0["state"][name], r1["state"][name]), name
+        for h in holders:
+            assert rel_err(h[name], t) < 1e-6, name
+    assert not any(experts.search(n) and int(n.split("experts.")[1].split(".")[0]) >= 8 for n in r0["state"])
+
+
+def test_include_exclude_match_checkpoint_names():
+    model, pkg = standin_vlm()
+    adapter = ToyAdapter(model)
+    unit, layer = _layer(adapter, "layers.0")
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    proc = smoother(adapter, exclude=["*.self_attn.*"], enable_subgraph_type=["norm-linear", "up-down"])
+    with standin_cpu_kernels(pkg.modeling_kimi_k3):
+        proc.process_unit(UnitContext(unit, layer, adapter, DistContext(),
+                                      run_samples=lambda: logits_of(model, standin_inputs(model)[1:])))
+    changed = {n for n, p in layer.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                       "mlp.down_proj.weight"}
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"alpha": 1.5}, "alpha"), ({"scale_min": 0.0}, "scale_min"), ({"enable_subgraph_type": ["qkv"]}, "qkv"),
+])
+def test_config_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        IterSmoothConfig(**kw).validate()
+
+
+def test_iter_smooth_config_parses_from_practice_yaml_schema():
+    from msmodelslim.core.config import build_dataclass
+
+    cfg = build_dataclass(IterSmoothConfig, {"alpha": 0.8, "enable_subgraph_type": ["ov", "up-down"],
+                                             "exclude": ["*kv_b_proj"]})
+    assert cfg.enable_subgraph_type == ["ov", "up-down"] and cfg.alpha == 0.8
+    with pytest.raises(Exception, match="norm_linear"):
+        build_dataclass(IterSmoothConfig, {"enable_subgraph_type": ["norm_linear"]})
