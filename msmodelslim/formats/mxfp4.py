@@ -241,6 +241,28 @@ def encode_mxfp4(weight: torch.Tensor, *, name: str = "tensor") -> tuple[torch.T
     # float32 holds bf16/fp16/fp32 exactly and x / 2**k is exact there unless the quotient is far below
     # 0.25 (code 0 either way, sign kept), so the codes equal those of compressed-tensors' bf16 math.
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, cols // GROUP_SIZE, dtype=torch.uint8, device=weight.device)
+    bounds = _rounding_bounds(work, weight.device)
+    step = max(1, (1 << 20) // cols)  # ~1M elements per block bounds the float temporaries
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        _encode_block(weight[r0:r1], work, bounds, packed[r0:r1], scale[r0:r1], name)
+    return packed, scale
+
+
+def _rounding_bounds(work: torch.dtype, device: torch.device) -> torch.Tensor:
+    """|q| >= bounds[i] counts toward the E2M1 magnitude code. Ties go to the even code: 0.75, 1.75, 3.5
+    round up (>=), 0.25, 1.25, 2.5, 5.0 round down, i.e. need |q| > b, which is |q| >= nextafter(b)."""
+    up = torch.tensor([0.25, 1.25, 2.5, 5.0], dtype=work)
+    above = torch.nextafter(up, torch.full_like(up, 8.0))
+    exact = torch.tensor([0.75, 1.75, 3.5], dtype=work)
+    return torch.sort(torch.cat([above, exact])).values.to(device)
+
+
+def _encode_block(weight: torch.Tensor, work: torch.dtype, bounds: torch.Tensor, packed_out: torch.Tensor,
+                  scale_out: torch.Tensor, name: str) -> None:
+    rows, cols = weight.shape
     x = weight.to(work).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name}: weight contains NaN or inf")
@@ -252,17 +274,11 @@ def encode_mxfp4(weight: torch.Tensor, *, name: str = "tensor") -> tuple[torch.T
     e = torch.where(amax == 0, 0, (log2_p + (MXFP4_EXPONENT_BIAS - 2)).clamp(min=0))
     scale_val = torch.exp2((e - MXFP4_EXPONENT_BIAS).to(torch.float64)).to(work)  # exact powers of two
     q = (x / scale_val.unsqueeze(-1)).clamp(-6.0, 6.0)
+    # magnitude code = number of bounds <= |q|; sign bit for q < 0 (so -0.0 -> code 0)
     a = q.abs()
-    code = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
-    code = code | ((q < 0).to(torch.uint8) << 3)
+    code = (q < 0).to(torch.uint8) << 3
+    for b in bounds.tolist():
+        code += a >= b
     code = code.reshape(rows, cols // 2, 2)
-    packed = code[..., 0] | (code[..., 1] << 4)
-    return packed.contiguous(), e.to(torch.uint8)
+    packed_out.copy_(code[..., 0] | (code[..., 1] << 4))
+    scale_out.copy_(e)
