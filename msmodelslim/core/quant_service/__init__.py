@@ -135,5 +135,16 @@ def run_service(request: QuantRequest) -> None:
     if world == 1:
         run_worker(0, request, records, None)
         return
-    # One process per device; spawn terminates every rank as soon as one fails, so a failure cannot hang.
-    mp.spawn(run_worker, args=(request, records, _free_port()), nprocs=world, join=True)
+    # One process per device; every rank is terminated as soon as one fails, so a failure cannot hang.
+    mp.start_processes(run_worker, args=(request, records, _free_port()), nprocs=world, join=True,
+                       start_method=_start_method(request.device.type))
+
+
+def _start_method(device_type: str) -> str:
+    """CPU ranks fork from a server that imported torch, transformers and fla once (importing fla alone takes
+    seconds per process); accelerator ranks are spawned clean because a forked CUDA/NPU runtime is unusable."""
+    if device_type != "cpu":
+        return "spawn"
+    mp.set_forkserver_preload(["torch", "transformers", "fla.modules", "fla.ops.kda",
+                               "msmodelslim.model.kimi_k3.adapter"])
+    return "forkserver"

@@ -1,0 +1,70 @@
+"""Data + expert parallelism over several CPU processes (gloo) gives the single-device output byte for byte.
+
+Reference: the same command on `--device cpu` (one process). Tolerance: none; every written tensor must be
+bit-identical and the description JSON equal. This holds because statistics are reduced with max (exact), each
+routed-expert output lands in its own (token, slot) of a zero buffer before the cross-rank sum, and every sample
+runs through the replicated layers alone, exactly as on one device.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.app.quant import QuantArgs, quant
+
+from .dp_helpers import REPO, assert_same_bytes, shrunken_practice
+
+SHARED = REPO.parent / "shared"
+MINI = SHARED / "models" / "kimi-linear-mini"
+
+
+@pytest.fixture(scope="module")
+def tiny_k3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny"
+    subprocess.run([sys.executable, str(REPO / "example/multimodal_vlm/Kimi-K3/make_checkpoint.py"),
+                    "--preset", "tiny", "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def _quant(model: Path, out: Path, device: str, model_type: str, practice: Path) -> None:
+    quant(QuantArgs(model_path=str(model), save_path=str(out), device=device, model_type=model_type,
+                    config_path=str(practice), trust_remote_code=True))
+
+
+def test_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path: Path):
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml", tmp_path / "p.yaml",
+                                 max_samples=5, max_seq_len=96)
+    _quant(tiny_k3, tmp_path / "one", "cpu", "Kimi-K3", practice)
+    for devices in ("cpu:0,1", "cpu:0,1,2,3"):
+        out = tmp_path / devices.replace(":", "_").replace(",", "")
+        _quant(tiny_k3, out, devices, "Kimi-K3", practice)
+        assert assert_same_bytes(tmp_path / "one", out) > 100
+
+
+@pytest.mark.skipif(not MINI.is_dir(), reason="needs ../shared/models/kimi-linear-mini")
+def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path):
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8.yaml", tmp_path / "p.yaml",
+                                 max_samples=3, max_seq_len=64)
+    _quant(MINI, tmp_path / "one", "cpu", "Kimi-Linear", practice)
+    _quant(MINI, tmp_path / "two", "cpu:0,1", "Kimi-Linear", practice)
+    assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_fails_the_whole_run_fast_without_output(tiny_k3: Path, tmp_path: Path, how: str):
+    fail = [{"type": "fail_on_rank", "rank": 1, "unit": "layers.1", "how": how}]
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml", tmp_path / "p.yaml",
+                                 max_samples=2, max_seq_len=32, extra_process=fail)
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+        _quant(tiny_k3, tmp_path / "out", "cpu:0,1", "Kimi-K3", practice)
+    assert time.monotonic() - start < 120
+    message = str(info.value)
+    assert ("injected failure on rank 1" in message) if how == "raise" else ("process 1" in message.lower())
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))
