@@ -198,9 +198,7 @@ class IterSmoothProcessor(Processor):
             "alpha": self.config.alpha,
             "scale_min": self.config.scale_min,
             "subgraph_types": list(self.config.enable_subgraph_type),
-            "smoothed": dict(sorted(self._counts.items())),
-            "skipped_online_rotated": self._skipped_online,
-        }
+        }  # per-rank counts stay out: the description must not depend on how many ranks wrote it
 
 
 def _source_width(modules: dict[str, nn.Module], sg: Subgraph) -> int:
