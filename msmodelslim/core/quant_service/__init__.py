@@ -7,9 +7,11 @@ parallel), so a multi-device run produces the single-device bytes.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from msmodelslim.model.base import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
+STATS_ENV = "MSMODELSLIM_STATS_FILE"
 TEXT_SERVICE = "modelslim_v1"
 MULTIMODAL_SERVICE = "multimodal_vlm_modelslim_v1"
 
@@ -111,11 +114,15 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=request.prefetch, steps=steps)
         start = time.perf_counter()
         stats = runner.run(mine)
-        result = dict(stats.seconds)
-        result["wall"] = time.perf_counter() - start
-        if dist.is_main:
-            logger.info("run finished in %.1f s (%s)", result["wall"],
-                        ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())))
+        result = {**stats.seconds, "runner_wall": time.perf_counter() - start, "world_size": world,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        if device.type == "cuda":
+            result["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        logger.info("rank %d finished in %.1f s (%s)", rank, result["runner_wall"],
+                    ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())))
+        if os.environ.get(STATS_ENV):
+            # Benchmarks read per-rank stage timings and memory from here.
+            Path(f"{os.environ[STATS_ENV]}.rank{rank}").write_text(json.dumps(result))
         return result
     except Exception:
         logger.exception("rank %d of %d failed", rank, world)

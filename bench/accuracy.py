@@ -1,0 +1,68 @@
+"""Perplexity cost of a quantization recipe, measured the way a user checks a result: `msmodelslim eval` on the
+written AscendV1 output.
+
+Protocol (issue #4): the checkpoint's tokenizer without special tokens, non-overlapping 512-token windows of
+../shared/data/text/python_tutorial.txt, the first 32; ppl_bf16 is the MXFP4-dequantised model, ppl_quant the
+output simulated at inference precision (int8 per-token activations, the written integer weights).
+
+    python bench/accuracy.py --model ../shared/models/kimi-linear-mini --recipe {rtn,quarot,iter_smooth,full,w4a4}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BENCH_OUT, ROOT, SHARED, machine, print_result  # noqa: E402
+
+RECIPES = ROOT / "lab_practice" / "kimi_k3" / "recipes"
+
+
+def msmodelslim(*args: str) -> str:
+    exe = Path(sys.executable).with_name("msmodelslim")
+    done = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=str(SHARED / "models" / "kimi-linear-mini"))
+    parser.add_argument("--model_type", default="Kimi-Linear")
+    parser.add_argument("--recipe", default="full", help=f"a YAML in {RECIPES} (name without .yaml)")
+    parser.add_argument("--dataset", default=str(SHARED / "data" / "text" / "python_tutorial.txt"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    args = parser.parse_args()
+
+    practice = RECIPES / f"{args.recipe}.yaml"
+    if not practice.is_file():
+        parser.error(f"--recipe {args.recipe}: no {practice}")
+    out = BENCH_OUT / f"accuracy-{Path(args.model).name}-{args.recipe}"
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    msmodelslim("quant", "--model_path", args.model, "--save_path", str(out), "--device", args.device,
+                "--model_type", args.model_type, "--config_path", str(practice), "--trust_remote_code", "True")
+    quant_s = time.perf_counter() - start
+    start = time.perf_counter()
+    line = msmodelslim("eval", "--model_path", args.model, "--quant_path", str(out), "--dataset", args.dataset,
+                       "--device", args.device, "--seq-len", str(args.seq_len), "--max-windows", str(args.windows),
+                       "--model_type", args.model_type, "--trust_remote_code", "True", "--json")
+    result = json.loads(line.strip().splitlines()[-1])
+    print_result({
+        "bench": "accuracy", "model": Path(args.model).name, "recipe": args.recipe, "device": args.device,
+        "machine": machine(), "windows": result["windows"], "tokens": result["tokens"],
+        "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
+        "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
+        "eval_s": round(time.perf_counter() - start, 1),
+    })
+
+
+if __name__ == "__main__":
+    main()
