@@ -39,3 +39,40 @@ def machine() -> str:
 def print_result(result: dict) -> None:
     """The JSON line every benchmark prints last."""
     print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
+                      max_seq_len: int | None = None) -> Path:
+    """A shipped practice with a smaller calibration set (same processors), for benchmarks that must end."""
+    import yaml
+
+    practice = yaml.safe_load(source.read_text())
+    if max_samples:
+        practice["spec"]["max_samples"] = max_samples
+    if max_seq_len:
+        practice["spec"]["max_seq_len"] = max_seq_len
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(yaml.safe_dump(practice, sort_keys=False))
+    return dest
+
+
+def run_quant(model: Path, out: Path, device: str, practice: Path, model_type: str = "Kimi-K3",
+              extra_env: dict | None = None) -> dict:
+    """`msmodelslim quant` in a subprocess; returns {"wall_s", "ranks": [per-rank stage stats]}."""
+    import os
+    import shutil
+    import time
+
+    shutil.rmtree(out, ignore_errors=True)
+    stats = out.parent / f".{out.name}.stats"
+    for old in out.parent.glob(f"{stats.name}.rank*"):
+        old.unlink()
+    env = {**os.environ, "MSMODELSLIM_STATS_FILE": str(stats), **(extra_env or {})}
+    exe = Path(sys.executable).with_name("msmodelslim")
+    start = time.perf_counter()
+    subprocess.run([str(exe), "quant", "--model_path", str(model), "--save_path", str(out), "--device", device,
+                    "--model_type", model_type, "--config_path", str(practice), "--trust_remote_code", "True"],
+                   check=True, env=env)
+    wall = time.perf_counter() - start
+    ranks = [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{stats.name}.rank*"))]
+    return {"wall_s": wall, "ranks": ranks}
