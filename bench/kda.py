@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,33 +54,46 @@ def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def timed(fn, repeats: int, warmup: int, sync=None) -> tuple[float, object]:
+def timed(fn, repeats: int, warmup: int, sync=None) -> tuple[float, object, float]:
+    """Median wall time, the last result, and the median process CPU time (robust to other load on a shared host)."""
     result = None
     for _ in range(warmup):
         result = fn()
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         if sync:
             sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
         if sync:
             sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), result, statistics.median(cpu)
 
 
 def ours(q, k, v, g, beta):
     return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
+def _proc_status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def peak_mem_child(T: int, B: int, H: int, K: int, V: int) -> None:
-    """Run ours once at length T; print max-RSS growth (MB) over the inputs' footprint."""
+    """Run ours once at length T; print the peak-RSS growth (MB) over the resident inputs (Linux: the high-water
+    mark is reset through /proc/self/clear_refs before the run)."""
     (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.inference_mode():
+        ours(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])  # first-call allocations
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _proc_status_kb("VmRSS")
     with torch.inference_mode():
         ours(q, k, v, g, beta)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _proc_status_kb("VmHWM")
     print(json.dumps({"T": T, "peak_mem_mb": round((peak - base) / 1024, 1)}))
 
 
@@ -95,16 +107,16 @@ def cpu_bench(args) -> dict:
     res: dict = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "T": T, "K": K, "V": V,
                  "dtype": "float32"}
     with torch.inference_mode():
-        t_ours, (o, s) = timed(lambda: ours(q, k, v, g, beta), repeats=args.repeats, warmup=1)
+        t_ours, (o, s), c_ours = timed(lambda: ours(q, k, v, g, beta), repeats=args.repeats, warmup=1)
         qn, kn = l2norm(q), l2norm(k)
-        t_naive, (o_naive, s_naive) = timed(
+        t_naive, (o_naive, s_naive), c_naive = timed(
             lambda: naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True), repeats=1, warmup=0)
         Tf = min(args.fallback_T, T)
-        t_ours_f = t_ours
+        t_ours_f, c_ours_f = t_ours, c_ours
         if Tf != T:
-            t_ours_f, _ = timed(lambda: ours(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf]),
-                                repeats=args.repeats, warmup=1)
-        t_fb, (o_fb, s_fb) = timed(
+            t_ours_f, _, c_ours_f = timed(lambda: ours(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf]),
+                                          repeats=args.repeats, warmup=1)
+        t_fb, (o_fb, s_fb), c_fb = timed(
             lambda: tf_fallback(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf], output_final_state=True,
                                 use_qk_l2norm_in_kernel=True), repeats=1, warmup=0)
     errs = {
@@ -127,6 +139,9 @@ def cpu_bench(args) -> dict:
         "ours_ms_at_fallback_T": round(t_ours_f * 1e3, 1),
         "cpu_speedup_vs_transformers_fallback": round(t_fb / t_ours_f, 2),
         "cpu_speedup_vs_fla_naive_recurrent": round(t_naive / t_ours, 2),
+        "cpu_time_speedup_vs_transformers_fallback": round(c_fb / c_ours_f, 2),
+        "cpu_time_speedup_vs_fla_naive_recurrent": round(c_naive / c_ours, 2),
+        "load_average_1min": round(os.getloadavg()[0], 1),
         "peak_mem_mb": mem.get(str(T)),
         "peak_mem_mb_by_T": mem,
         "rel_rms_errors": {key: float(f"{val:.3g}") for key, val in errs.items()},
@@ -153,10 +168,10 @@ def cuda_bench(args) -> dict:
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     with torch.inference_mode():
-        t_fla, (o_fla, s_fla) = timed(fla_run, repeats=args.repeats, warmup=3, sync=sync)
+        t_fla, (o_fla, s_fla), _ = timed(fla_run, repeats=args.repeats, warmup=3, sync=sync)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        t_ours, (o, s) = timed(ours_run, repeats=args.repeats, warmup=2, sync=sync)
+        t_ours, (o, s), _ = timed(ours_run, repeats=args.repeats, warmup=2, sync=sync)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     errs = {"out_vs_fla_triton": rel_rms(o, o_fla), "state_vs_fla_triton": rel_rms(s, s_fla)}
     return {
@@ -176,11 +191,14 @@ def main() -> None:
     parser.add_argument("--fallback-T", type=int, default=4096,
                         help="sequence length for transformers' fallback (it materialises [B,H,N,64,64,K])")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--mem-T", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--_mem-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args._mem_child is not None:
         peak_mem_child(args._mem_child, 1, 8, 128, 128)
         return

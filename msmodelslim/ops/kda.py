@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
-PAIRWISE_BUDGET = 1 << 20  # elements of the diagonal-block pairwise tensor built at once (cache-sized)
+PAIRWISE_BUDGET = 1 << 20  # elements of the diagonal-block pairwise tensor built at once on CPU (cache-sized)
+PAIRWISE_BUDGET_ACCEL = 1 << 27  # on accelerators (fewer, larger launches; ~512 MB fp32)
 LOG2E = 1.4426950408889634
 
 __all__ = [
@@ -283,7 +284,8 @@ def _chunk_core(q, k, v, g, beta, h0, chunk_size: int = CHUNK_SIZE):
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     # Chunks are processed in small groups (sized to stay in CPU cache): the intra-chunk part of a group (scores and
     # UT transform) is independent per chunk; the state then runs through the group's chunks in order.
-    group = max(1, PAIRWISE_BUDGET // (B * H * C * SUB_CHUNK * K))
+    budget = PAIRWISE_BUDGET if q.device.type == "cpu" else PAIRWISE_BUDGET_ACCEL
+    group = max(1, budget // (B * H * C * SUB_CHUNK * K))
     S = h0 if h0 is not None else q.new_zeros(B, H, K, V)
     outs = []
     for n0 in range(0, N, group):
