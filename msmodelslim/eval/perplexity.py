@@ -37,6 +37,7 @@ class EvalResult:
     delta_pct: float  # 100 * (ppl_quant / ppl_orig - 1)
     windows: int
     tokens: int  # predicted tokens (windows * (seq_len - 1))
+    quantized_linears: int  # linears simulated with stored integers (every quantized linear of the output)
 
 
 class RotatedLinear(nn.Module):
@@ -71,7 +72,7 @@ def wrap_quantized_linears(adapter: ModelAdapter, unit: Unit, module: nn.Module,
                            compute_dtype: torch.dtype) -> dict[str, str]:
     """Replace the unit's linears that the output describes as quantized (or rotated) by their runtime form.
 
-    Returns {live name: description type} of the replaced linears.
+    Returns {checkpoint name: description type} of the replaced linears.
     """
     replaced: dict[str, str] = {}
     targets = [(n, m) for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
@@ -93,7 +94,7 @@ def wrap_quantized_linears(adapter: ModelAdapter, unit: Unit, module: nn.Module,
             continue
         parent_name, _, child = live_name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, child, new)
-        replaced[live_name] = qtype
+        replaced[ckpt] = qtype
     return replaced
 
 
@@ -119,7 +120,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     states = {v: [{"input_ids": w} for w in windows] for v in variants}
     nll = {v: 0.0 for v in variants}
     count = {v: 0 for v in variants}
-    quantized = 0
+    simulated: set[str] = set()
     for unit in adapter.units():
         if unit.kind == "vision":
             continue
@@ -127,7 +128,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             t0 = time.perf_counter()
             module = adapter.load_unit(unit, device, reader=unit_reader)
             if unit_reader is not None:
-                quantized += len(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
+                simulated.update(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
             out = _run(adapter, unit, module, states[variant])
             adapter.free_unit(unit, module)
             if unit.kind == "head":
@@ -141,10 +142,14 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
     if count["orig"] == 0:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
+    unmatched = sorted(set(reader.quantized_linears()) - simulated)
+    if unmatched:
+        raise ValueError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
+                         f"an nn.Linear of any text unit of {type(adapter).__name__}; it cannot be simulated")
     ppl = {v: math.exp(nll[v] / count[v]) for v in variants}
-    logger.info("eval: %d quantized linears simulated", quantized)
+    logger.info("eval: %d quantized linears simulated", len(simulated))
     return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
-                      windows=len(windows), tokens=count["orig"])
+                      windows=len(windows), tokens=count["orig"], quantized_linears=len(simulated))
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -163,7 +168,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
              model_type: str = "Kimi-K3", adapter: ModelAdapter | None = None) -> dict[str, Any]:
     """Perplexity of `model_path` and of the AscendV1 output `quant_path` on the text file `dataset`.
 
-    Returns {ppl_orig, ppl_quant, delta_pct, windows, tokens}. `adapter` (already built for `model_path` on
+    Returns {ppl_orig, ppl_quant, delta_pct, windows, tokens, quantized_linears}. `adapter` (already built for `model_path` on
     `device`) overrides the config.ini lookup of `model_type`.
     """
     if seq_len < 2:
@@ -175,18 +180,24 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
         raise FileNotFoundError(f"{dataset}: evaluation text file not found")
     dev = _resolve_device(device)
     reader = AscendV1Reader(quant_path)
+    owned = adapter is None
     if adapter is None:
         from msmodelslim.core.dist import DistContext
         from msmodelslim.model.registry import resolve_model_type
 
         cls = resolve_model_type(model_type).load_adapter_class()
         adapter = cls(model_path, trust_remote_code=trust_remote_code, dist=DistContext(device=dev))
-    text = dataset.read_text(encoding="utf-8")
-    windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
-    if not windows:
-        raise ValueError(f"{dataset}: fewer than seq_len={seq_len} tokens")
-    compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
-    result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
+    try:
+        text = dataset.read_text(encoding="utf-8")
+        windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
+        if not windows:
+            raise ValueError(f"{dataset}: fewer than seq_len={seq_len} tokens")
+        compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
+        result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
+    finally:
+        reader.close()
+        if owned and callable(getattr(adapter, "close", None)):
+            adapter.close()  # undo the adapter's runtime patches of the checkpoint's classes
     logger.info("perplexity over %d windows x %d tokens: original %.4f, quantized %.4f (%+.2f%%)", result.windows,
                 seq_len, result.ppl_orig, result.ppl_quant, result.delta_pct)
     return asdict(result)

@@ -164,7 +164,7 @@ def test_layerwise_ppl_equals_whole_model_references(tmp_path, text_file, online
     windows = make_windows(adapter.tokenizer(text_file.read_text(), add_special_tokens=False)["input_ids"], 64, 5)
     orig_modules = {u.name: adapter.load_unit(u, torch.device("cpu")) for u in adapter.units()}
     result = evaluate(src, tmp_path / "out", text_file, "cpu", seq_len=64, max_windows=5, adapter=adapter)
-    assert result["windows"] == 5 and result["tokens"] == 5 * 63
+    assert result["windows"] == 5 and result["tokens"] == 5 * 63 and result["quantized_linears"] == 4
     assert result["ppl_orig"] == pytest.approx(_direct_ppl(adapter, orig_modules, windows), rel=1e-5)
     assert result["ppl_quant"] == pytest.approx(_direct_ppl(adapter, quant_modules, windows), rel=1e-5)
     assert result["ppl_quant"] != result["ppl_orig"]
@@ -179,7 +179,7 @@ def test_wrap_uses_stored_integers_and_rotation(tmp_path):
     unit = adapter.units()[1]
     module = adapter.load_unit(unit, torch.device("cpu"), reader=reader)
     replaced = wrap_quantized_linears(adapter, unit, module, reader, torch.float32)
-    assert replaced == {"up_proj": "W4A8_DYNAMIC", "down_proj": "W8A8_DYNAMIC"}
+    assert replaced == {"model.layers.0.up_proj": "W4A8_DYNAMIC", "model.layers.0.down_proj": "W8A8_DYNAMIC"}
     ref = quant_modules["layers.0"]
     for name in ("up_proj", "down_proj"):
         assert torch.equal(getattr(module, name).qweight, getattr(ref, name).qweight)
@@ -212,3 +212,16 @@ def test_missing_dataset_and_short_text(tmp_path, text_file):
     short.write_text("abc")
     with pytest.raises(ValueError, match="fewer than"):
         evaluate(src, tmp_path / "out", short, seq_len=64, adapter=adapter)
+
+
+def test_quantized_linear_not_found_in_the_model_is_an_error(tmp_path, text_file):
+    """A described quantized linear that no unit has would silently stay float: refused, naming it."""
+    src = _make_source(tmp_path / "src")
+    _quantize_and_save(src, tmp_path / "out", online=False)
+
+    class Renamed(ToyLM):
+        def checkpoint_name(self, unit, live_name):
+            return unit.prefix + "renamed." + live_name
+
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.down_proj.*cannot be simulated"):
+        evaluate(src, tmp_path / "out", text_file, seq_len=64, max_windows=1, adapter=Renamed(src))
