@@ -4,13 +4,16 @@ Reference: transformers 5.23 `KimiLinearForCausalLM` (its pure-torch KDA / conv 
 checkpoint ../shared/models/kimi-linear-mini (routed experts MXFP4, decoded to BF16 for both models), two
 128-token windows of ../shared/data/text/python_tutorial.txt tokenized with the mini's tokenizer.json.
 The stand-in reads the hub config.json as it is (moe_latent_size unset) and the hub tensor names strictly
-(after undoing one transformers save artefact, see _hub_name).
+(after undoing one transformers save artefact, see _hub_name). The stand-in runs under msmodelslim's
+runtime_patches (pure-torch KDA / conv / gated norm for FLA's Triton kernels), the native class under
+transformers' own torch fallbacks, so this also checks the patches end to end on real weights.
 Tolerances:
 - float32 (both models upcast from the same BF16 weights): relative RMS logit error < 1e-5 and
   max |diff| < 1e-4 * max|logit| (only summation order differs);
-- bfloat16 (as deployed): relative RMS logit error < 5e-2 between the two, the stand-in's error against the float32
-  reference at most 1.1x the native class's own, top-1 agreement >= 97 %, perplexities within 1.5 % (the two
-  models round intermediate results at different points: norm weight multiply, MoE accumulation, beta).
+- bfloat16 (as deployed): relative RMS logit error < 5e-2 between the two; against the float32 reference the
+  stand-in's relative error is at most 1.1x and its top-1 agreement at most 1 point below the native class's own;
+  perplexity within 1 % of float32 and 1.5 % of native bf16 (the two models round intermediate results at
+  different points: norm weight multiply, MoE accumulation, beta).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from standin_fla_shims import fla_shims
 from standin_helpers import SHARED, load_dense_state_dict, make_checkpoint_module
+
+from msmodelslim.model.kimi_k3.runtime_patches import runtime_patches
 
 MINI = SHARED / "models" / "kimi-linear-mini"
 TEXT = SHARED / "data" / "text" / "python_tutorial.txt"
@@ -81,7 +85,7 @@ def models(tmp_path_factory):
     assert config.moe_latent_size is None
     standin = pkg.modeling_kimi_k3.KimiLinearForCausalLM(config)
     standin.load_state_dict({_hub_name(k, config): v.float() for k, v in state.items()}, strict=True)
-    return native, standin.eval(), pkg.modeling_kimi_k3
+    return native, standin.eval()
 
 
 def _hub_name(name: str, config) -> str:
@@ -93,13 +97,13 @@ def _hub_name(name: str, config) -> str:
     return name
 
 
-def _logits(native, standin, modeling, ids, dtype):
+def _logits(native, standin, ids, dtype):
     native.to(dtype)
     standin.to(dtype)
     with torch.no_grad():
         with native_torch_kernels():
             ref = native(input_ids=ids).logits.float()
-        with fla_shims(modeling):
+        with runtime_patches(standin):
             out = standin(input_ids=ids).logits.float()
     return ref, out
 
@@ -120,16 +124,21 @@ def fp32_logits(models, windows):
 
 def test_standin_logits_equal_native_kimi_linear_fp32(fp32_logits):
     ref, out = fp32_logits
-    assert _rel(out, ref) < 1e-5  # measured 6.5e-7
+    assert _rel(out, ref) < 1e-5  # measured 9e-7
     assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 
 
 def test_standin_logits_match_native_kimi_linear_bf16(models, windows, fp32_logits):
     ref32 = fp32_logits[0]
     ref, out = _logits(*models, windows, torch.bfloat16)
-    assert _rel(out, ref) < 5e-2  # measured 2.5e-2
-    # The stand-in's own bf16 rounding is no worse than the native class's (measured 0.0229 vs 0.0256).
+
+    def top1(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+    assert _rel(out, ref) < 5e-2  # measured 3.5e-2
+    # The stand-in's own bf16 rounding is no worse than the native class's (measured 0.0256 vs 0.0288 vs fp32).
     assert _rel(out, ref32) <= 1.1 * _rel(ref, ref32)
-    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.97
-    ppl_ref, ppl_out = _ppl(ref, windows), _ppl(out, windows)
+    assert top1(out, ref32) >= top1(ref, ref32) - 0.01  # measured 0.977 both
+    ppl32, ppl_ref, ppl_out = _ppl(ref32, windows), _ppl(ref, windows), _ppl(out, windows)
+    assert abs(ppl_out / ppl32 - 1) < 0.01, (ppl32, ppl_out)  # measured 57.45 vs 57.17 (native bf16: 57.68)
     assert abs(ppl_out / ppl_ref - 1) < 0.015, (ppl_ref, ppl_out)
