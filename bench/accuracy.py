@@ -25,8 +25,7 @@ RECIPES = ROOT / "lab_practice" / "kimi_k3" / "recipes"
 
 
 def msmodelslim(*args: str) -> str:
-    exe = Path(sys.executable).with_name("msmodelslim")
-    done = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", *args], check=True, capture_output=True, text=True)
     return done.stdout
 
 

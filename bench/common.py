@@ -68,9 +68,8 @@ def run_quant(model: Path, out: Path, device: str, practice: Path, model_type: s
     for old in out.parent.glob(f"{stats.name}.rank*"):
         old.unlink()
     env = {**os.environ, "MSMODELSLIM_STATS_FILE": str(stats), **(extra_env or {})}
-    exe = Path(sys.executable).with_name("msmodelslim")
     start = time.perf_counter()
-    subprocess.run([str(exe), "quant", "--model_path", str(model), "--save_path", str(out), "--device", device,
+    subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", "quant", "--model_path", str(model), "--save_path", str(out), "--device", device,
                     "--model_type", model_type, "--config_path", str(practice), "--trust_remote_code", "True"],
                    check=True, env=env)
     wall = time.perf_counter() - start
