@@ -81,7 +81,7 @@ def test_shipped_practices_validate_against_the_real_processors(path):
     from msmodelslim.core.config import load_practice
 
     practice = load_practice(path)  # the real PROCESSORS / SAVERS, filled by msmodelslim.processor.catalog
-    assert practice.quant_type in ("w4a8", "w8a8")
+    assert practice.quant_type in ("w4a8", "w8a8", "w4a4")
     expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.verified_model_types \
         else "modelslim_v1"
     assert practice.apiversion == expected_api
