@@ -127,8 +127,8 @@ def _base(k: int) -> torch.Tensor | None:
         h = paley1(k - 1)
     elif _prime_power(k // 2 - 1) and (k // 2 - 1) % 4 == 1:
         h = paley2(k // 2 - 1)
-    elif k in _WILLIAMSON:
-        h = williamson(*_WILLIAMSON[k])
+    elif k in _WILLIAMSON_SEARCH:
+        h = _williamson(k)
     if h is not None and not _is_hadamard(h):
         raise AssertionError(f"internal error: constructed matrix of order {k} is not Hadamard")
     return h
@@ -241,5 +241,57 @@ def williamson(a: list[int], b: list[int], c: list[int], d: list[int]) -> torch.
     ])
 
 
-# order 4w -> first rows of A, B, C, D (symmetric circulants; found by search, verified at construction)
-_WILLIAMSON: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+def _orbits(w: int, group: set[int]) -> list[list[int]]:
+    left, out = set(range(1, w)), []
+    while left:
+        orbit = sorted({x * g % w for g in group for x in (min(left),)})
+        out.append(orbit)
+        left -= set(orbit)
+    return out
+
+
+def williamson_search(w: int, multiplier: int) -> tuple[list[int], ...] | None:
+    """Williamson matrices of odd order w whose first rows are constant on the orbits of the multiplier group
+    {+-multiplier^i} of Z_w^* (so symmetric), with a_0 = 1 (Williamson's own reduction of the search).
+
+    Condition: the circulants commute and are diagonalised by the DFT, so A^2 + B^2 + C^2 + D^2 = 4w I holds iff
+    |F_a(k)|^2 + |F_b(k)|^2 + |F_c(k)|^2 + |F_d(k)|^2 = 4w at every frequency k; pairs (a, b) and (c, d) are matched
+    through a hash of their summed power spectra (meet in the middle). Returns the four first rows or None.
+    """
+    group, x = {1, w - 1}, multiplier % w
+    while x not in group:
+        group |= {x, w - x}
+        x = x * multiplier % w
+    orbits = _orbits(w, group)
+    rows = []
+    for signs in itertools.product((1.0, -1.0), repeat=len(orbits)):
+        row = torch.ones(w, dtype=torch.float64)
+        for sign, orbit in zip(signs, orbits):
+            row[orbit] = sign
+        rows.append(row)
+    seqs = torch.stack(rows)
+    power = torch.fft.fft(seqs).real ** 2  # symmetric rows: the spectrum is real
+    keep = (power <= 4 * w + 1e-9).all(dim=1)
+    seqs, power = seqs[keep], power[keep]
+    pairs: dict[tuple[float, ...], tuple[int, int]] = {}
+    for i in range(len(seqs)):
+        for j in range(i, len(seqs)):
+            total = power[i] + power[j]
+            if bool((total <= 4 * w + 1e-9).all()):
+                pairs.setdefault(tuple(total.round(decimals=6).tolist()), (i, j))
+    for key, (i, j) in pairs.items():
+        need = tuple(round(4 * w - v, 6) + 0.0 for v in key)
+        if need in pairs:
+            k, m = pairs[need]
+            return tuple(seqs[n].long().tolist() for n in (i, j, k, m))
+    return None
+
+
+# order 4w -> (w, multiplier) of a multiplier-invariant Williamson search that succeeds (about 0.1 s, checked);
+# 156 = 4 * 39 has no solution with multiplier symmetry here and falls back to block-diagonal blocks.
+_WILLIAMSON_SEARCH: dict[int, tuple[int, int]] = {172: (43, 6)}
+
+
+def _williamson(k: int) -> torch.Tensor | None:
+    found = williamson_search(*_WILLIAMSON_SEARCH[k])
+    return None if found is None else williamson(*found)

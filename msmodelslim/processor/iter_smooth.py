@@ -122,8 +122,8 @@ class IterSmoothProcessor(Processor):
 
     def __init__(self, config: IterSmoothConfig, adapter: Any) -> None:
         super().__init__(config, adapter)
-        self._counts: dict[str, int] = {}
-        self._skipped_online = 0
+        self.counts: dict[str, int] = {}  # subgraphs smoothed per type on this rank (logging and tests)
+        self.skipped_online = 0  # subgraphs skipped because their reader takes an online rotation
 
     def selected(self, ctx: UnitContext, sg: Subgraph) -> bool:
         """Every reader's checkpoint name matches an include glob and no exclude glob."""
@@ -144,7 +144,7 @@ class IterSmoothProcessor(Processor):
                 continue
             if any(hasattr(modules[t], "online_rotation") for t in sg.targets):
                 # the reader sees T x (online Hadamard): a scale folded into the producer of x cannot reach it
-                self._skipped_online += 1
+                self.skipped_online += 1
                 continue
             # cross-rank subgraphs are always measured; their include/exclude decision is reduced over ranks
             if sg.across_ranks or self.selected(ctx, sg):
@@ -191,7 +191,7 @@ class IterSmoothProcessor(Processor):
         full = s.repeat(sg.heads)
         for name in sg.targets + sg.float_targets:
             multiply_columns(modules[name].weight.data, full)
-        self._counts[sg.type] = self._counts.get(sg.type, 0) + 1
+        self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -170,7 +170,6 @@ class QuaRotProcessor(Processor):
         self._q: dict[tuple[str, int], torch.Tensor] = {}  # (space, size) -> Q (CPU, float64)
         self._on_device: dict[tuple[str, int, str], torch.Tensor] = {}
         self._online: dict[int, torch.Tensor] = {}  # size -> T (fp32), shared by every linear of that size
-        self._online_count: dict[int, int] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -231,9 +230,10 @@ class QuaRotProcessor(Processor):
                 mod = get(name)
                 size = mod.weight.shape[-1]
                 rotate_online(mod, self.online_rotation(size).to(mod.weight.device), self.dtype)
-                self._online_count[size] = self._online_count.get(size, 0) + 1
 
     def describe(self) -> dict[str, Any]:
+        """Seed, spaces and online sizes: the same on every rank (no per-rank counts)."""
+
         def kind(n: int) -> str:
             km = factor_order(n)
             return f"hadamard {km[0]}x2^{km[1]}" if km else "block-diagonal hadamard"
@@ -251,6 +251,6 @@ class QuaRotProcessor(Processor):
             "online_rotations": {
                 "buffer": ONLINE_BUFFER,
                 "convention": ONLINE_CONVENTION,
-                "sizes": {str(n): {"matrix": kind(n), "linears": self._online_count.get(n, 0)} for n in sorted(self._online)},
+                "sizes": {str(n): {"matrix": kind(n)} for n in sorted(self._online)},
             },
         }

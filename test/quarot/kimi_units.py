@@ -100,40 +100,23 @@ def standin_package():
 
 @contextlib.contextmanager
 def standin_cpu_kernels(modeling) -> Iterator[None]:
-    """Pure-torch kernels for the stand-in's FLA calls: the project's runtime patches when they exist, else the
-    stand-in tests' shims."""
-    try:
-        from msmodelslim.model.kimi_k3 import runtime_patches
-    except ImportError:
-        runtime_patches = None
-    if runtime_patches is not None and hasattr(runtime_patches, "runtime_patches"):
-        with runtime_patches.runtime_patches(modeling):
-            yield
-        return
-    sys.path.insert(0, str(REPO / "test" / "standin"))
-    try:
-        from standin_fla_shims import fla_shims
-    finally:
-        sys.path.pop(0)
-    with fla_shims(modeling):
+    """Pure-torch kernels for the stand-in's FLA calls (the project's runtime patches)."""
+    from msmodelslim.model.kimi_k3.runtime_patches import runtime_patches
+
+    with runtime_patches(modeling):
         yield
 
 
 @contextlib.contextmanager
 def native_torch_kernels() -> Iterator[None]:
-    """transformers picks fla's Triton kernels when fla is importable; force its torch reference path."""
+    """transformers picks fla's Triton kernels when fla is importable: the project's runtime patches swap in its
+    pure-torch KDA / short-conv kernels (exact undo on exit)."""
     import transformers.models.kimi_linear.modeling_kimi_linear as native
 
-    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-             "causal_conv1d_update")
-    saved = {n: getattr(native, n) for n in names}
-    for n, f in saved.items():
-        setattr(native, n, getattr(f, "__wrapped__", f))
-    try:
+    from msmodelslim.model.kimi_k3.runtime_patches import runtime_patches
+
+    with runtime_patches(native):
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(native, n, f)
 
 
 @contextlib.contextmanager

@@ -98,3 +98,16 @@ def test_fast_transform_equals_dense_matrix(n):
     x = torch.randn(3, 5, n, dtype=torch.float64)
     ref = x @ hadamard_matrix(n).T / math.sqrt(n)
     assert float((hadamard_transform(x) - ref).abs().max()) < 1e-12
+
+
+def test_order_172_comes_from_a_multiplier_invariant_williamson_search():
+    from msmodelslim.ops.hadamard import williamson_search
+
+    rows = williamson_search(43, 6)
+    assert rows is not None and all(r == r[:1] + r[1:][::-1] for r in rows)  # symmetric first rows
+    assert_hadamard(williamson(*rows))
+
+
+def test_order_156_is_not_constructed_and_falls_back_to_blocks():
+    assert factor_order(156) is None  # no multiplier-invariant Williamson solution; documented gap
+    assert_orthogonal(orthogonal_hadamard(156))
