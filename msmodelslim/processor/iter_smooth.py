@@ -194,11 +194,12 @@ class IterSmoothProcessor(Processor):
         self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
     def describe(self) -> dict[str, Any]:
-        return {
+        """{"iter_smooth": the settings}; per-rank counts stay out (the description must not depend on the ranks)."""
+        return {"iter_smooth": {
             "alpha": self.config.alpha,
             "scale_min": self.config.scale_min,
             "subgraph_types": list(self.config.enable_subgraph_type),
-        }  # per-rank counts stay out: the description must not depend on how many ranks wrote it
+        }}
 
 
 def _source_width(modules: dict[str, nn.Module], sg: Subgraph) -> int:

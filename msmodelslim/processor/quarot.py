@@ -232,13 +232,13 @@ class QuaRotProcessor(Processor):
                 rotate_online(mod, self.online_rotation(size).to(mod.weight.device), self.dtype)
 
     def describe(self) -> dict[str, Any]:
-        """Seed, spaces and online sizes: the same on every rank (no per-rank counts)."""
+        """{"quarot": seed, spaces and online sizes}: the same on every rank (no per-rank counts)."""
 
         def kind(n: int) -> str:
             km = factor_order(n)
             return f"hadamard {km[0]}x2^{km[1]}" if km else "block-diagonal hadamard"
 
-        return {
+        return {"quarot": {
             "seed": self.config.seed,
             "rotate_latent": self.config.rotate_latent,
             "rotate_mla": self.config.rotate_mla,
@@ -253,4 +253,4 @@ class QuaRotProcessor(Processor):
                 "convention": ONLINE_CONVENTION,
                 "sizes": {str(n): {"matrix": kind(n)} for n in sorted(self._online)},
             },
-        }
+        }}

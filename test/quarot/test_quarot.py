@@ -63,7 +63,7 @@ def test_standin_vlm_logits_unchanged_by_quarot(experts, online_down):
     assert rel_err(model.get_input_embeddings().weight, embed_before) > 0.5  # the stream really is rotated
     for o, r in zip(out, ref):
         assert rel_err(o, r) < TOL
-    spaces = proc.describe()["spaces"]
+    spaces = proc.describe()["quarot"]["spaces"]
     assert {"hidden:96", "latent:80", "kv_lora:40", "mla_v:24"} <= set(spaces)
 
 
@@ -79,7 +79,7 @@ def test_native_kimi_linear_logits_unchanged_by_quarot():
         ffn = model.model.layers[1].mlp
         assert hasattr(ffn.experts["3"].w2, ONLINE_BUFFER) and hasattr(ffn.shared_experts.down_proj, ONLINE_BUFFER)
     assert rel_err(out[0], ref[0]) < TOL
-    assert set(proc.describe()["online_rotations"]["sizes"]) == {"48", "112"}
+    assert set(proc.describe()["quarot"]["online_rotations"]["sizes"]) == {"48", "112"}
 
 
 @pytest.mark.skipif(not MINI.is_dir(), reason=f"{MINI} not available")
