@@ -140,6 +140,9 @@ class IterSmoothProcessor(Processor):
         modules = dict(ctx.module.named_modules())
         subgraphs = []
         for sg in ctx.adapter.smooth_subgraphs(ctx.unit, ctx.module):
+            missing = [n for n in sg.sources + sg.targets + sg.float_targets if n not in modules]
+            if missing:
+                raise KeyError(f"smoothing subgraph {sg.type} of unit {ctx.unit.name}: no module named {missing[0]!r}")
             if sg.type not in enabled:
                 continue
             if any(hasattr(modules[t], "online_rotation") for t in sg.targets):

@@ -98,15 +98,24 @@ def fuse_norm(gamma: torch.Tensor, readers: list[torch.Tensor], dtype: torch.dty
 @torch.no_grad()
 def rotate_in(w: torch.Tensor, q: torch.Tensor, span: Span = WHOLE) -> None:
     """W <- W Q on the span's channel blocks of the last dim."""
-    idx = span.index(w.shape[-1], w.device)  # [count, width]
+    whole = span == WHOLE
+    idx = None if whole else span.index(w.shape[-1], w.device)  # [count, width]
     for rows in torch.split(torch.arange(w.shape[0], device=w.device), _ROW_CHUNK):  # bounded fp64 memory
-        blocks = w[rows[:, None, None], idx].to(q.dtype)  # [rows, count, width]
-        w[rows[:, None, None], idx] = (blocks @ q).to(w.dtype)
+        if whole:
+            w[rows] = (w[rows].to(q.dtype) @ q).to(w.dtype)
+        else:
+            blocks = w[rows[:, None, None], idx].to(q.dtype)  # [rows, count, width]
+            w[rows[:, None, None], idx] = (blocks @ q).to(w.dtype)
 
 
 @torch.no_grad()
 def rotate_out(w: torch.Tensor, b: torch.Tensor | None, q: torch.Tensor, span: Span = WHOLE) -> None:
     """W <- Q^T W and b <- Q^T b on the span's channel blocks of the first dim."""
+    if span == WHOLE:
+        w.copy_((q.T @ w.to(q.dtype)).to(w.dtype))
+        if b is not None:
+            b.copy_((b.to(q.dtype) @ q).to(b.dtype))
+        return
     idx = span.index(w.shape[0], w.device)
     w[idx] = torch.einsum("ba,cbi->cai", q, w[idx].to(q.dtype)).to(w.dtype)
     if b is not None:
