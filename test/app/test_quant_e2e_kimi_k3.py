@@ -1,0 +1,67 @@
+"""`msmodelslim quant` end to end with the real service on a generated tiny Kimi-K3 (stand-in remote code, MXFP4
+experts): practice lookup, image+text calibration, quantization and the atomic publish (what `make demo` runs).
+References: the schemes the shipped practice assigns to each kind of tensor (exact strings) and the byte copy of
+the practice; no numeric tolerance is involved here (numerics are tested by their owners)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.app.resources import resource_path
+from msmodelslim.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_k3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny"
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def scheme_of(description: dict[str, str], pattern: str) -> set[str]:
+    found = {v for k, v in description.items() if re.search(pattern, k)}
+    assert found, f"no tensor matches {pattern}"
+    return found
+
+
+def test_quant_w4a8_tiny_kimi_k3(tiny_k3, tmp_path, capsys):
+    save = tmp_path / "Kimi-K3-tiny-w4a8"
+    code = main(["quant", "--model_path", str(tiny_k3), "--save_path", str(save), "--device", "cpu",
+                 "--model_type", "Kimi-K3", "--quant_type", "w4a8", "--trust_remote_code", "True"])
+    assert code == 0, capsys.readouterr().err
+    assert "msmodelslim quant: done" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == [save.name]  # no temporary directory left
+    practice = resource_path("lab_practice") / "kimi_k3" / "kimi_k3_w4a8.yaml"
+    assert (save / "Kimi-K3_best_practice.yaml").read_bytes() == practice.read_bytes()
+    description = json.loads((save / "quant_model_description.json").read_text())
+    assert description["model_quant_type"] == "W4A8_DYNAMIC" and description["version"] == "1.0.0"
+    assert scheme_of(description, r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$") == {"W4A8_DYNAMIC"}
+    for pattern in (r"shared_experts\.\w+_proj\.weight$", r"latent_(down|up)_proj\.weight$",
+                    r"self_attn\.(q|k|v|o)_proj\.weight$", r"mlp\.\w+_proj\.weight$",
+                    r"kv_a_proj_with_mqa\.weight$"):
+        assert scheme_of(description, pattern) == {"W8A8_DYNAMIC"}, pattern
+    for pattern in (r"kv_b_proj\.weight$", r"self_attn\.[fg]_[ab]_proj\.weight$", r"self_attn\.b_proj\.weight$",
+                    r"^vision_tower\.", r"^mm_projector\.", r"lm_head\.weight$", r"embed_tokens\.weight$",
+                    r"norm\.weight$", r"block_sparse_moe\.gate\.weight$"):
+        assert scheme_of(description, pattern) == {"FLOAT"}, pattern
+    config = json.loads((save / "config.json").read_text())
+    assert "quantization_config" not in config and "quantization_config" not in config.get("text_config", {})
+    assert any(save.glob("quant_model_weights*.safetensors"))
+
+
+def test_remote_code_refused_without_trust(tiny_k3, tmp_path, capsys):
+    save = tmp_path / "out"
+    code = main(["quant", "--model_path", str(tiny_k3), "--save_path", str(save), "--device", "cpu",
+                 "--model_type", "Kimi-K3", "--quant_type", "w4a8"])
+    assert code == 2 and "--trust_remote_code True" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
