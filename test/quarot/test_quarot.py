@@ -178,3 +178,13 @@ def test_quarot_config_parses_from_practice_yaml_schema():
     assert (cfg.seed, cfg.online_down, cfg.rotate_latent, cfg.rotate_mla, cfg.block_size) == (3, True, False, True, 64)
     with pytest.raises(Exception, match="rotate_lantent"):
         build_dataclass(QuaRotConfig, {"rotate_lantent": True})
+
+
+def test_rotating_a_quantized_linear_is_a_clear_error():
+    from msmodelslim.quant.modules import QuantLinear
+
+    model, _ = standin_vlm()
+    adapter, unit, layer = _moe_layer_unit(model)
+    layer.self_attn.o_proj = QuantLinear.from_linear(layer.self_attn.o_proj, "W8A8_DYNAMIC", weight_method="minmax")
+    with pytest.raises(ValueError, match="self_attn.o_proj has no float weight"):
+        quarot(adapter).process_unit(UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))

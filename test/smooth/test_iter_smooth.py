@@ -221,3 +221,14 @@ def test_iter_smooth_config_parses_from_practice_yaml_schema():
     assert cfg.enable_subgraph_type == ["ov", "up-down"] and cfg.alpha == 0.8
     with pytest.raises(Exception, match="norm_linear"):
         build_dataclass(IterSmoothConfig, {"enable_subgraph_type": ["norm_linear"]})
+
+
+def test_smoothing_a_quantized_linear_is_a_clear_error():
+    from msmodelslim.quant.modules import QuantLinear
+
+    model, _ = standin_vlm()
+    adapter = ToyAdapter(model)
+    unit, layer = _layer(adapter, "layers.0")
+    layer.mlp.down_proj = QuantLinear.from_linear(layer.mlp.down_proj, "W8A8_DYNAMIC", weight_method="minmax")
+    with pytest.raises(ValueError, match="mlp.down_proj has no float weight"):
+        smoother(adapter).process_unit(UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: None))
