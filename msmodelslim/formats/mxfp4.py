@@ -12,7 +12,6 @@ for every finite result (products that exceed the format overflow to +-inf, as I
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -148,10 +147,6 @@ def decode_mxfp4(
     words = out.view(table.dtype).view(-1, GROUP_SIZE // 2)  # one word = the two elements of one byte
     if packed.device.type == "cpu":
         _decode_cpu(codes, _shifted_scale_cpu(flat_scale, scale, name), table, words)
-    elif packed.device.type == "cuda" and _fused_decoder() is not None:
-        out.view(-1, GROUP_SIZE).copy_(_fused_decoder()(codes, flat_scale, exponent_bias, dtype))
-        if int(scale.max()) == _E8M0_NAN:
-            _check_no_nan_scale(scale, name)
     else:
         index = torch.add(codes, flat_scale.to(torch.int32) << 8)  # == e << 8 | byte
         torch.index_select(table, 0, index.view(-1), out=words.view(-1))
@@ -159,33 +154,6 @@ def decode_mxfp4(
         if int(scale.max()) == _E8M0_NAN:
             _check_no_nan_scale(scale, name)
     return out
-
-
-def _decode_elementwise(codes: torch.Tensor, flat_scale: torch.Tensor, exponent_bias: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Arithmetic decode of [groups, 16] bytes with [groups, 1] exponents, written for one fused GPU kernel.
-
-    E2M1 * 2**k in fp32 is exact; the power of two is applied in two halves so 0 * 2**129 (bias 125, e 254)
-    stays 0 instead of 0 * inf = nan, and the only rounding is the final cast (exact for bf16/fp32).
-    """
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    values = torch.cat([mags, -mags])
-    pair = torch.stack([values[(codes & 0xF).long()], values[(codes >> 4).long()]], dim=-1)
-    k = flat_scale.to(torch.int32) - exponent_bias
-    half = torch.div(k, 2, rounding_mode="floor")
-    pair = pair * torch.exp2(half.float())[..., None] * torch.exp2((k - half).float())[..., None]
-    return pair.reshape(codes.shape[0], GROUP_SIZE).to(dtype)
-
-
-@functools.lru_cache(maxsize=1)
-def _fused_decoder():
-    """`_decode_elementwise` compiled into one kernel (read 0.5 + write 2 bytes per bf16 weight); None when
-    torch.compile cannot build it here, in which case the table path runs."""
-    try:
-        return torch.compile(_decode_elementwise, dynamic=True)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure means: use the table path
-        logging.getLogger(__name__).warning("MXFP4: no compiled GPU decoder (%s); using the table path", exc)
-        return None
 
 
 def _check_no_nan_scale(scale: torch.Tensor, name: str) -> None:
