@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from msmodelslim.app.practice import ChosenPractice, choose_practice
-from msmodelslim.core.calib import load_calib_records
+from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.errors import UserError
@@ -60,6 +60,7 @@ class _Plan:
     adapter_cls: type
     chosen: ChosenPractice
     device: DeviceSpec
+    records: list[CalibRecord]
 
 
 def _read_model_config(model_path: Path) -> dict[str, Any]:
@@ -137,13 +138,23 @@ def _plan(args: QuantArgs) -> _Plan:
             f"{chosen.path}: apiversion {chosen.practice.apiversion} is the text service, but spec.dataset "
             f"{spec.dataset!r} has {with_image} image records; use a text dataset"
         )
+    if chosen.practice.is_multimodal and not with_image:
+        raise UserError(
+            f"{chosen.path}: apiversion {chosen.practice.apiversion} calibrates on images and text, but "
+            f"spec.dataset {spec.dataset!r} has no image record"
+        )
+    if spec.runner == "layer_wise" and device.world_size > 1:
+        raise UserError(
+            f"{chosen.path}: spec.runner layer_wise runs on one device, but --device {args.device} gives "
+            f"{device.world_size}; use runner auto or dp_layer_wise"
+        )
     if len(records) < device.world_size:
         raise UserError(
             f"{chosen.path}: spec.dataset {spec.dataset!r} has {len(records)} records, fewer than the "
             f"{device.world_size} devices of --device {args.device}"
         )
     adapter_cls = entry.load_adapter_class()
-    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device)
+    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)
 
 
 def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
@@ -157,15 +168,9 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         practice=plan.chosen.practice,
         trust_remote_code=args.trust_remote_code,
         model_type=args.model_type,
+        records=plan.records,
     )
-    service_error = getattr(quant_service, "ServiceError", None)
-    try:
-        quant_service.run_service(request)
-    except Exception as exc:
-        # The service's refusals of a request (data vs model, runner vs devices) are user errors too.
-        if service_error is not None and isinstance(exc, service_error) and not isinstance(exc, UserError):
-            raise UserError(str(exc)) from None
-        raise
+    quant_service.run_service(request)
 
 
 def _publish(work_dir: Path, save_path: Path) -> None:

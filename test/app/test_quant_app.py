@@ -190,13 +190,13 @@ def test_service_failure_removes_the_temporary_directory(tmp_path, model_dir, pr
     assert not save.exists() and leftovers(tmp_path) == []
 
 
-def test_service_error_becomes_a_user_error(tmp_path, model_dir, practice_file, stub_service, monkeypatch):
-    def refusing(request):
-        raise quant_service.ServiceError("spec.runner: layer_wise runs on one device")
-
-    monkeypatch.setattr(quant_service, "run_service", refusing)
+def test_layer_wise_runner_on_several_devices_is_refused_before_the_service(tmp_path, model_dir, practice_file,
+                                                                            stub_service, monkeypatch):
+    practice = tmp_path / "layer_wise.yaml"
+    practice.write_text(practice_file.read_text().replace("spec:\n", "spec:\n  runner: layer_wise\n", 1))
+    monkeypatch.setattr(quant_service, "run_service", lambda request: pytest.fail("service must not run"))
     with pytest.raises(UserError, match="layer_wise runs on one device"):
-        quant(args(model_dir, tmp_path / "out", config_path=str(practice_file), quant_type=None))
+        quant(args(model_dir, tmp_path / "out", config_path=str(practice), quant_type=None, device="cpu:0,1"))
     assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 

@@ -26,13 +26,12 @@ from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.layer_wise import LayerWiseRunner
+from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
-TEXT_SERVICE = "modelslim_v1"
-MULTIMODAL_SERVICE = "multimodal_vlm_modelslim_v1"
 
 
 @dataclass
@@ -45,33 +44,13 @@ class QuantRequest:
     trust_remote_code: bool
     model_type: str
     prefetch: bool = True
-
-
-class ServiceError(ValueError):
-    """A request the chosen service cannot serve (wrong data for the model, impossible runner/device pair)."""
+    records: list[Any] | None = None  # calibration records, already loaded and checked by the app
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _check_request(request: QuantRequest, records: list[Any]) -> None:
-    spec = request.practice.spec
-    world = request.device.world_size
-    if spec.runner == "layer_wise" and world > 1:
-        raise ServiceError(f"spec.runner: layer_wise runs on one device, but --device gives {world}; "
-                           f"use runner auto or dp_layer_wise")
-    with_image = sum(1 for r in records if getattr(r, "image", None) is not None)
-    if request.practice.apiversion == TEXT_SERVICE and with_image:
-        raise ServiceError(f"apiversion {TEXT_SERVICE} is the text service but dataset {spec.dataset!r} has "
-                           f"{with_image} image records; use {MULTIMODAL_SERVICE}")
-    if request.practice.apiversion == MULTIMODAL_SERVICE and not with_image:
-        raise ServiceError(f"apiversion {MULTIMODAL_SERVICE} calibrates on images and text, but dataset "
-                           f"{spec.dataset!r} has no image record")
-    if len(records) < world:
-        raise ServiceError(f"{len(records)} calibration records cannot be shared by {world} devices")
 
 
 def _build(entries: list[Any], registry: dict[str, type], *args: Any) -> list[Any]:
@@ -103,10 +82,12 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         torch_dist.init_process_group(request.device.backend, rank=rank, world_size=world,
                                       device_id=device if device.type != "cpu" else None)
+    if world > 1:
+        configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
     dist = DistContext(rank=rank, world_size=world, device=device)
     try:
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
-        samples = adapter.prepare_samples(records, max_seq_len=getattr(spec, "max_seq_len", None))
+        samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
         steps = math.ceil(len(samples) / world)
         mine = samples[rank * steps:(rank + 1) * steps]
         processors = _build(spec.process, PROCESSORS, adapter)
@@ -134,8 +115,9 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
 
 def run_service(request: QuantRequest) -> None:
     spec = request.practice.spec
-    records = load_calib_records(spec.dataset, spec.default_text, getattr(spec, "max_samples", None))
-    _check_request(request, records)
+    records = request.records
+    if records is None:
+        records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
     world = request.device.world_size
     logger.info("%s: %d calibration records on %d device(s) (%s)", request.practice.apiversion, len(records),
                 world, request.device)
