@@ -35,6 +35,7 @@ def run_mode(model: Path, device: str, prefetch: bool, tokens: int) -> dict:
     runner = LayerWiseRunner(adapter, [], [], dist=adapter.dist, prefetch=prefetch)
     start = time.perf_counter()
     stats = runner.run([{"input_ids": ids}])
+    adapter.close()
     return {"wall_s": time.perf_counter() - start, "load_wait_s": stats.seconds["load"],
             "compute_s": stats.seconds["calibrate"], "largest_unit_bf16_gb": largest / 2**30,
             "peak_rss_gb": peak_rss_gb()}

@@ -36,6 +36,15 @@ class ModelAdapter(ABC):
         self.model_path = Path(model_path)
         self.trust_remote_code = trust_remote_code
 
+    def close(self) -> None:
+        """Undo whatever the adapter patched into the checkpoint's classes (idempotent)."""
+
+    def __enter__(self) -> ModelAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # --- structure -------------------------------------------------------------------------------------------
     @abstractmethod
     def units(self) -> list[Unit]:

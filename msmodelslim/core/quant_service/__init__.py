@@ -85,6 +85,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
     if world > 1:
         configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
     dist = DistContext(rank=rank, world_size=world, device=device)
+    adapter = None
     try:
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
         samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
@@ -109,6 +110,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
         logger.exception("rank %d of %d failed", rank, world)
         raise
     finally:
+        if adapter is not None:
+            adapter.close()  # the checkpoint's classes get their own code back
         if world > 1 and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
 

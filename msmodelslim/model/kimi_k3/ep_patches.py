@@ -12,6 +12,7 @@ rows as on a single device that processes the same sample.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,18 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
     return routed.view(shape) + self.shared_experts(hidden_states)
 
 
+def _only_for_ep_blocks(patched: Callable, original: Callable) -> Callable:
+    """The class-level patch serves blocks set up for EP; any other instance of the class keeps its own code."""
+
+    @functools.wraps(original)
+    def method(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+        if hasattr(self, _EP_ATTR):
+            return patched(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return method
+
+
 def ep_idle(block: nn.Module) -> None:
     """Join the routed-expert collectives of `block` with zero tokens (a rank that ran out of samples)."""
     ep: _BlockEP = getattr(block, _EP_ATTR)
@@ -167,8 +180,9 @@ def apply_ep_patches(model: nn.Module, text_config: object, dist: DistContext = 
             name, fn = ("forward", _native_forward) if is_native_moe(block) else ("moe_infer", _standin_moe_infer)
             if not hasattr(cls, name):
                 raise TypeError(f"{cls.__name__} has no {name}(); cannot patch it for expert parallelism")
-            handle.restore_methods.append((cls, name, cls.__dict__.get(name, getattr(cls, name))))
-            setattr(cls, name, fn)
+            original = cls.__dict__.get(name, getattr(cls, name))
+            handle.restore_methods.append((cls, name, original))
+            setattr(cls, name, _only_for_ep_blocks(fn, original))
             patched.add(cls)
         original = block.experts
         block.experts = _local_experts(block, local, num_experts, int(text_config.moe_intermediate_size))
