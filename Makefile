@@ -26,7 +26,7 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check msmodelslim test bench example
-	$(PY) -m pytest -q test
+	$(PY) -m pytest -q --durations=15 test
 
 lint: install
 	$(VENV)/bin/ruff check msmodelslim test bench example
