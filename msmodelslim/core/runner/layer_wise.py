@@ -20,6 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.base import Processor
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunStats:
-    """Seconds per stage summed over units (load counts only time spent waiting for a unit)."""
+    """Seconds per stage summed over units (with prefetch, load counts only the time spent waiting for a unit)."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     units: int = 0
@@ -65,6 +66,7 @@ class LayerWiseRunner:
         return outputs
 
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
+        return_freed_tensors_to_os()
         units = self.adapter.units()
         device = self.dist.device
         states = [dict(s) for s in samples]
@@ -72,7 +74,10 @@ class LayerWiseRunner:
 
         def load(i: int) -> Future | nn.Module:
             if pool is None:
-                return self.adapter.load_unit(units[i], device)
+                t0 = time.perf_counter()
+                module = self.adapter.load_unit(units[i], device)
+                self.stats.add("load", time.perf_counter() - t0)
+                return module
             return pool.submit(self.adapter.load_unit, units[i], device)
 
         bar = tqdm(total=len(units), desc="quantizing", unit="unit", disable=not self.dist.is_main,

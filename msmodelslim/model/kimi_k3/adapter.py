@@ -202,6 +202,8 @@ class KimiK3ModelAdapter(ModelAdapter):
                     continue  # another rank's expert: never loaded here
                 raise KeyError(f"{self.model_path}: unexpected tensor {key!r} for unit {unit.name} "
                                f"(the model class {type(self.model).__name__} has no such parameter)")
+        if reader is self.reader:
+            self.reader.close()  # unmap the shards: their pages would otherwise stay resident for the whole run
         return module
 
     def free_unit(self, unit: Unit, module: nn.Module) -> None:
