@@ -35,7 +35,7 @@ class UnitContext:
         stats: dict[str, torch.Tensor] = {}
         handles = []
 
-        def make_hook(name: str, width: int) -> Callable:
+        def make_hook(name: str) -> Callable:
             def hook(_mod: nn.Module, args: tuple) -> None:
                 x = args[0]
                 if x.numel() == 0:
@@ -47,9 +47,7 @@ class UnitContext:
             return hook
 
         for name in live_names:
-            mod = modules[name]
-            width = mod.in_features if hasattr(mod, "in_features") else None
-            handles.append(mod.register_forward_pre_hook(make_hook(name, width)))
+            handles.append(modules[name].register_forward_pre_hook(make_hook(name)))
         try:
             self.run_samples()
         finally:
