@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import sys
@@ -31,6 +30,7 @@ from msmodelslim.model.kimi_k3.runtime_patches import (
     find_fla_modules,
     runtime_patches,
     should_patch,
+    transformers_torch_fallback,
 )
 from msmodelslim.ops.kda import l2norm, naive_recurrent_kda_fp64
 
@@ -199,23 +199,6 @@ def test_find_fla_modules_lists_the_model_code(remote_module):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # transformers' native Kimi-Linear
-
-
-@contextlib.contextmanager
-def transformers_torch_fallback():
-    """Force transformers' own torch path (the functions under its "fla if importable" wrapper)."""
-    import transformers.models.kimi_linear.modeling_kimi_linear as native
-
-    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-             "causal_conv1d_update")
-    saved = {n: getattr(native, n) for n in names}
-    for n, fn in saved.items():
-        setattr(native, n, fn.__wrapped__)
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(native, n, fn)
 
 
 def tiny_native_model():

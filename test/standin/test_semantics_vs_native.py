@@ -18,7 +18,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -28,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from standin_helpers import SHARED, load_dense_state_dict, make_checkpoint_module
 
-from msmodelslim.model.kimi_k3.runtime_patches import runtime_patches
+from msmodelslim.model.kimi_k3.runtime_patches import runtime_patches, transformers_torch_fallback
 
 MINI = SHARED / "models" / "kimi-linear-mini"
 TEXT = SHARED / "data" / "text" / "python_tutorial.txt"
@@ -36,23 +35,6 @@ WINDOW = 128
 N_WINDOWS = 2
 
 pytestmark = pytest.mark.skipif(not MINI.is_dir(), reason=f"{MINI} not available")
-
-
-@contextlib.contextmanager
-def native_torch_kernels():
-    """transformers picks fla's Triton kernels when fla is importable; force its torch reference path."""
-    import transformers.models.kimi_linear.modeling_kimi_linear as native
-
-    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-             "causal_conv1d_update")
-    saved = {n: getattr(native, n) for n in names}
-    for n, f in saved.items():
-        setattr(native, n, f.__wrapped__)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(native, n, f)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +83,7 @@ def _logits(native, standin, ids, dtype):
     native.to(dtype)
     standin.to(dtype)
     with torch.no_grad():
-        with native_torch_kernels():
+        with transformers_torch_fallback():
             ref = native(input_ids=ids).logits.float()
         with runtime_patches(standin):
             out = standin(input_ids=ids).logits.float()

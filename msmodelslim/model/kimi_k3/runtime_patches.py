@@ -132,6 +132,23 @@ TRANSFORMERS_FUNCTIONS: dict[str, Callable] = {
 TRANSFORMERS_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
 
 
+@contextmanager
+def transformers_torch_fallback() -> Iterator[None]:
+    """Run transformers' native Kimi-Linear on its own torch reference kernels (the functions under its
+    "fla if importable" wrapper) instead of fla's: the independent reference our kernels are checked against."""
+    import importlib
+
+    native = importlib.import_module(TRANSFORMERS_KIMI_MODULE)
+    saved = {name: getattr(native, name) for name in TRANSFORMERS_FUNCTIONS}
+    for name, fn in saved.items():
+        setattr(native, name, fn.__wrapped__)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(native, name, fn)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # policy and bookkeeping
 
