@@ -173,6 +173,13 @@ def cuda_bench(args) -> dict:
         base = torch.cuda.memory_allocated()
         t_ours, (o, s), _ = timed(ours_run, repeats=args.repeats, warmup=2, sync=sync)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    if args.profile:  # where our time goes, per kernel (printed before the JSON line)
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ours_run()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), file=sys.stderr)
     errs = {"out_vs_fla_triton": rel_rms(o, o_fla), "state_vs_fla_triton": rel_rms(s, s_fla)}
     return {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "T": T, "K": K, "V": V,
@@ -191,6 +198,7 @@ def main() -> None:
     parser.add_argument("--fallback-T", type=int, default=4096,
                         help="sequence length for transformers' fallback (it materialises [B,H,N,64,64,K])")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours (cuda)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--mem-T", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--_mem-child", type=int, default=None, help=argparse.SUPPRESS)

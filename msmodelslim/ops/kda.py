@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_SIZE = 64
-SUB_CHUNK = 16
-PAIRWISE_BUDGET = 1 << 20  # elements of the diagonal-block pairwise tensor built at once on CPU (cache-sized)
-PAIRWISE_BUDGET_ACCEL = 1 << 27  # on accelerators (fewer, larger launches; ~512 MB fp32)
+GROUP_BUDGET = 1 << 17  # elements of q per group of chunks handled at once on CPU (keeps a group in cache)
+GROUP_BUDGET_ACCEL = 1 << 26  # on accelerators (few, large launches)
 LOG2E = 1.4426950408889634
 
 __all__ = [
@@ -216,96 +215,141 @@ def _recurrent_core(q, k, v, g, beta, h0):
 # chunked (prefill) core
 
 
-def _exp2_neg(x: torch.Tensor) -> torch.Tensor:
+def _exp2_neg(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """2**x for an exponent known to be <= 0 (base 2: exp2 is ~3x cheaper than exp on CPUs).
 
     Clamped at -115 (2^-115 ~ e^-80) so results stay normal floats: denormals are very slow on CPUs, and the values
     cut off are zero for every purpose here (gradients below the clamp are zero, as the true ones are ~1e-35).
+    ``inplace`` reuses a temporary ``x`` (skipped when autograd records it).
     """
+    if inplace and not x.requires_grad:
+        return x.clamp_(min=-115.0).exp2_()
     return torch.exp2(x.clamp(min=-115.0))
 
 
-def _intra_chunk_scores(q, k, G2):
-    """Aqk (i >= j) and Akk (i > j) score matrices [.., C, C] for chunks [.., C, K] (q pre-scaled, G2 = log2-decay
-    cumsum).
+def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
+    """Writable view [.., s, s, C/s] of the s x s diagonal blocks of square matrices A [.., C, C]."""
+    *lead, C, _ = A.shape
+    return A.view(*lead, C // s, s, C // s, s).diagonal(dim1=-4, dim2=-2)
 
-    Diagonal SUB_CHUNK blocks: all S x S pairs with exponent clamped to [-115, 0] before exp2 (never positive, so never
-    overflows; pairs i < j are clamped to 0 and masked out of the small result). Off-diagonal blocks: reference point
-    r = first row of the row block, (x_i 2^{G_i - G_r}) @ (k_j 2^{G_r - G_j})^T with j < r <= i: both exponents <= 0,
-    plain matmuls.
+
+def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b^T for a [.., m, d], b [.., n, d]; for tiny blocks a contiguous multiply-sum beats a batch of tiny GEMMs."""
+    if a.shape[-2] >= 8:
+        return a @ b.transpose(-1, -2)
+    return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1)
+
+
+def _intra_chunk_scores(X: torch.Tensor, G2: torch.Tensor) -> torch.Tensor:
+    """Aqk (i >= j) and Akk (i > j) with entries sum_d x_id k_jd 2^(G_id - G_jd) (x = q for Aqk, k for Akk), for
+    chunks X [.., C, 2, K] holding q and k rows interleaved; G2 [.., C, K] = in-chunk cumulative log2-decay
+    (non-increasing along C). Returns A [.., C, 2, C]: A[.., i, 0, :] is row i of Aqk, A[.., i, 1, :] of Akk.
+
+    Recursive halving: every s x s diagonal block (s = C, C/2, .., 2) contributes its lower-left quadrant through
+    the first row r of its lower half, (x_i 2^(G_i - G_r)) @ (k_j 2^(G_r - G_j))^T with j < r <= i, so both
+    exponents are <= 0 and nothing can overflow whatever the gates. The quadrants tile the strict lower triangle
+    (each pair once); the diagonal of Aqk is q_i . k_i. A few passes over q and k per level and no pairwise
+    [C, C, K] tensor; one matmul serves both matrices.
     """
-    *lead, C, K = q.shape
-    S = SUB_CHUNK
-    nb = C // S
-    qb, kb, Gb = (x.reshape(*lead, nb, S, K) for x in (q, k, G2))
-    X = torch.stack([qb, kb], dim=-4)  # [.., 2, nb, S, K]: q rows for Aqk, k rows for Akk
+    *lead, C, _, K = X.shape
+    A = X.new_zeros(*lead, C, 2, C)
+    s = C
+    while s >= 2:
+        h, nb = s // 2, C // s
+        Gb = G2.reshape(*lead, nb, 2, h, K)
+        Xb = X.reshape(*lead, nb, 2, h, 2, K)
+        ref = Gb[..., 1, :1, :]  # [.., nb, 1, K]: first row of each lower half
+        # (the contiguous factor first: elementwise kernels follow the first operand's layout, ~5x faster here)
+        lower = _exp2_neg(Gb[..., 1, :, :] - ref, inplace=True).unsqueeze(-2) * Xb[..., 1, :, :, :]
+        upper = _exp2_neg(ref - Gb[..., 0, :, :], inplace=True) * Xb[..., 0, :, 1, :]
+        quad = _matmul_nt(lower.reshape(*lead, nb, 2 * h, K), upper)  # [.., nb, 2h, h]
+        blocks = A.view(*lead, nb, s, 2, nb, s).diagonal(dim1=-5, dim2=-2)  # [.., s, 2, s, nb]
+        blocks[..., h:, :, :h, :] = quad.reshape(*lead, nb, h, 2, h).movedim(-4, -1)
+        s = h
+    A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))
+    return A
 
-    # diagonal blocks, pairwise [nb, S(i), S(j), K]
-    d = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or G2.requires_grad):
-        e = torch.exp2(d.clamp(-115.0, 0.0)) * kb.unsqueeze(-3)
-    else:  # same arithmetic without temporaries (the pairwise tensor is the largest one built)
-        e = d.clamp_(-115.0, 0.0).exp2_().mul_(kb.unsqueeze(-3))
-    diag = torch.einsum("...xaik,...aijk->...xaij", X, e)  # [.., 2, nb, S, S]
-    lower = torch.ones(S, S, dtype=q.dtype, device=q.device).tril()
-    diag = diag * lower
 
-    rows = [F.pad(diag[..., 0, :, :], (0, C - S))]
-    for a in range(1, nb):
-        r0 = a * S
-        R = Gb[..., a, :1, :]  # [.., 1, K]
-        xr = X[..., a, :, :] * _exp2_neg(Gb[..., a, :, :] - R).unsqueeze(-3)  # [.., 2, S, K]
-        kc = k[..., :r0, :] * _exp2_neg(R - G2[..., :r0, :])  # [.., r0, K]
-        off = xr @ kc.unsqueeze(-3).transpose(-1, -2)  # [.., 2, S, r0]
-        rows.append(torch.cat([off, diag[..., a, :, :], off.new_zeros(*off.shape[:-1], C - r0 - S)], dim=-1))
-    A = torch.cat(rows, dim=-2)  # [.., 2, C, C]
-    return A[..., 0, :, :], A[..., 1, :, :]
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower-triangular L [.., C, C] (C a power of two), by recursive doubling:
+    inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] over block sizes 2, 4, .., C (matmuls only, no
+    triangular-solve calls; the same arithmetic as blocked forward substitution)."""
+    C = L.shape[-1]
+    grad = torch.is_grad_enabled() and L.requires_grad
+    inv = torch.zeros_like(L)
+    inv.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    s = 2
+    while s <= C:
+        h = s // 2
+        blocks = _diag_blocks(inv, s)  # [.., s, s, C/s]
+        a_inv, d_inv = (blocks[..., sl, sl, :].movedim(-1, -3) for sl in (slice(None, h), slice(h, None)))
+        if grad:  # autograd keeps them for backward while later levels write into `inv`
+            a_inv, d_inv = a_inv.clone(), d_inv.clone()
+        b = _diag_blocks(L, s)[..., h:, :h, :].movedim(-1, -3)  # [.., C/s, h, h]
+        low = _matmul_nt(_matmul_nt(d_inv, b.transpose(-1, -2)), a_inv.transpose(-1, -2))
+        blocks[..., h:, :h, :] = -low.movedim(-3, -1) if grad else low.neg_().movedim(-3, -1)
+        s *= 2
+    return inv
 
 
 def _chunk_core(q, k, v, g, beta, h0, chunk_size: int = CHUNK_SIZE):
-    """q (pre-scaled), k, v, g: [B, T, H, *] fp32; beta [B, T, H]; h0 [B, H, K, V] or None."""
+    """q (pre-scaled), k, v, g: [B, T, H, *] fp32 (g <= 0: log-decay); beta [B, T, H]; h0 [B, H, K, V] or None.
+
+    Per chunk of C steps with state S at its start (G = in-chunk cumulative log2-decay):
+        W = T (beta k 2^G),  U = T (beta v)  with  T = (I + strict(beta Akk))^-1   (UT transform)
+        v_new = U - W S;  o = (q 2^G) S + Aqk v_new;  S <- 2^G_last S + (k 2^(G_last - G))^T v_new
+    Everything but the last two lines is independent per chunk and computed for a group of chunks at once; the
+    sequential walk over chunks is then 5 batched matmul-sized ops per chunk.
+    """
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = chunk_size
     N = -(-T // C)
     pad = N * C - T
+    BH = B * H
 
-    def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D]
-        x = x.transpose(1, 2)
+    def chunks(x, last_c=False):  # [B, T, H, D] -> [N, B*H, C, D] (or [N, B*H, D, C]); chunk-major
         if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        return x.reshape(B, H, N, C, x.shape[-1])
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        D = x.shape[-1]
+        x = x.reshape(B, N, C, H, D)
+        if last_c:
+            return x.permute(1, 0, 3, 4, 2).reshape(N, BH, D, C)
+        return x.permute(1, 0, 3, 2, 4).reshape(N, BH, C, D)
 
-    q, k, v = chunks(q), chunks(k), chunks(v)
-    b = chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
-    G2 = chunks(g).cumsum(-2) * LOG2E  # in-chunk cumulative log2-decay
+    X = chunks(torch.stack([q, k], dim=-2).flatten(-2)).unflatten(-1, (2, K))  # [N, BH, C, 2, K] q/k interleaved
+    v = chunks(v)
+    b = chunks(beta.unsqueeze(-1))  # [N, BH, C, 1]
+    # In-chunk cumulative log2-decay. CPUs scan a contiguous last dim several times faster; GPUs the other way.
+    if g.device.type == "cpu":
+        G2 = chunks(g, last_c=True).cumsum(-1).transpose(-1, -2).mul(LOG2E).contiguous()
+    else:
+        G2 = chunks(g).cumsum(-2).mul_(LOG2E)
 
-    strict = torch.ones(C, C, dtype=q.dtype, device=q.device).tril(-1)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    # Chunks are processed in small groups (sized to stay in CPU cache): the intra-chunk part of a group (scores and
-    # UT transform) is independent per chunk; the state then runs through the group's chunks in order.
-    budget = PAIRWISE_BUDGET if q.device.type == "cpu" else PAIRWISE_BUDGET_ACCEL
-    group = max(1, budget // (B * H * C * SUB_CHUNK * K))
-    S = h0 if h0 is not None else q.new_zeros(B, H, K, V)
-    outs = []
+    budget = GROUP_BUDGET if q.device.type == "cpu" else GROUP_BUDGET_ACCEL
+    group = max(1, budget // (BH * C * K))
+    S = h0.reshape(BH, K, V) if h0 is not None else q.new_zeros(BH, K, V)
+    o = q.new_empty(B, N * C, H, V)
+    o_chunks = o.view(B, N, C, H, V).permute(1, 0, 3, 2, 4)  # written chunk by chunk, [N, B, H, C, V] view
     for n0 in range(0, N, group):
         sl = slice(n0, n0 + group)
-        qn, kn, vn, bn, Gn = q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl], G2[:, :, sl]
-        Aqk, Akk = _intra_chunk_scores(qn, kn, Gn)
-        # UT transform: (I + Akk)^-1 applied to [beta k 2^G | beta v] by one unit-triangular solve
-        rhs = torch.cat([bn * kn * _exp2_neg(Gn), bn * vn], dim=-1)
-        wu = torch.linalg.solve_triangular(Akk * bn * strict + eye, rhs, upper=False, unitriangular=True)
-        W, U = wu[..., :K], wu[..., K:]
-        G_last = Gn[..., -1:, :]  # [.., 1, K]
-        qg = qn * _exp2_neg(Gn)
-        kd = (kn * _exp2_neg(G_last - Gn)).transpose(-1, -2)  # [.., K, C]
+        Xn, vn, bn, Gn = X[sl], v[sl], b[sl], G2[sl]
+        A = _intra_chunk_scores(Xn, Gn)
+        Aqk, Akk = A[..., 0, :], A[..., 1, :]
+        XG = Xn * _exp2_neg(Gn).unsqueeze(-2)  # q 2^G and k 2^G, interleaved
+        Tb = _unit_lower_inverse(Akk * bn) * bn.transpose(-1, -2)  # T diag(beta)
+        W = Tb @ XG[..., 1, :]
+        U = Tb @ vn
+        QW = torch.stack([XG[..., 0, :], W], dim=-2).flatten(-3, -2)  # [.., 2C, K]: one matmul gives qg S and W S
+        G_last = Gn[..., -1:, :]
+        kd = (Xn[..., 1, :] * _exp2_neg(G_last - Gn, inplace=True)).transpose(-1, -2)  # [.., K, C]
         decay = _exp2_neg(G_last).transpose(-1, -2)  # [.., K, 1]
-        for i in range(qn.shape[2]):
-            v_new = U[:, :, i] - W[:, :, i] @ S
-            outs.append(qg[:, :, i] @ S + Aqk[:, :, i] @ v_new)
-            S = decay[:, :, i] * S + kd[:, :, i] @ v_new
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
-    return o.transpose(1, 2), S
+        for i in range(Xn.shape[0]):
+            Y = (QW[i] @ S).unflatten(-2, (C, 2))  # [BH, C, 2, V]
+            v_new = U[i] - Y[..., 1, :]
+            o_chunks[n0 + i] = torch.baddbmm(Y[..., 0, :], Aqk[i], v_new).view(B, H, C, V)
+            S = torch.baddbmm(decay[i] * S, kd[i], v_new)
+    return o[:, :T], S.reshape(B, H, K, V)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -348,8 +392,8 @@ def chunk_kda(
     if kwargs.get("cp_context") is not None:
         raise NotImplementedError("chunk_kda: context parallelism is not supported by the torch kernel")
     chunk_size = kwargs.pop("chunk_size", CHUNK_SIZE)
-    if chunk_size % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
+    if chunk_size < 2 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 2, got {chunk_size}")
     flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
              kwargs.get("A_log"), kwargs.get("dt_bias"))
 

@@ -22,6 +22,7 @@ class ProcessorConfig:
 
 class Processor(ABC):
     config_cls: type[ProcessorConfig] = ProcessorConfig
+    name: str = ""  # the YAML `type`, set by register_processor
 
     def __init__(self, config: ProcessorConfig, adapter: ModelAdapter) -> None:
         self.config = config
@@ -44,6 +45,7 @@ def register_processor(name: str, config_cls: type[ProcessorConfig]) -> Callable
         if name in PROCESSORS:
             raise ValueError(f"processor type {name!r} registered twice")
         cls.config_cls = config_cls
+        cls.name = name
         PROCESSORS[name] = cls
         return cls
 

@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from msmodelslim.app.quant import QuantArgs, quant
+from msmodelslim.core.quant_service import split_samples
 
 from .dp_helpers import REPO, assert_same_bytes, shrunken_practice
 
@@ -68,3 +70,13 @@ def test_a_failing_rank_fails_the_whole_run_fast_without_output(tiny_k3: Path, t
     assert ("injected failure on rank 1" in message) if how == "raise" else ("process 1" in message.lower())
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
+    sizes = [5, 300, 7, 280, 6, 290, 8]  # image samples (large) first in file order would all land on one rank
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long)} for n in sizes]
+    shares = [split_samples(samples, rank, 2) for rank in range(2)]
+    got = [[s["input_ids"].shape[1] for s in share] for share in shares]
+    assert got == [[300, 280, 7, 5], [290, 8, 6]]
+    assert sorted(n for share in got for n in share) == sorted(sizes)  # every sample exactly once
+    assert split_samples(samples, 0, 1) == sorted(samples, key=lambda s: -s["input_ids"].shape[1])

@@ -61,6 +61,22 @@ def _build(entries: list[Any], registry: dict[str, type], *args: Any) -> list[An
     return built
 
 
+def _sample_size(sample: dict[str, Any]) -> int:
+    return sum(v.numel() for v in sample.values() if isinstance(v, torch.Tensor))
+
+
+def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str, Any]]:
+    """This rank's share of the calibration samples.
+
+    Ranks forward their samples in lock-step (the expert-parallel MoE is collective), so each step lasts as long as
+    its largest sample on any rank: samples are dealt round-robin in decreasing size (token ids plus pixels), which
+    gives every rank samples of about the same size at each step. Which rank forwards a sample never changes the
+    output (statistics are max-reduced, each sample is forwarded on its own).
+    """
+    order = sorted(range(len(samples)), key=lambda i: -_sample_size(samples[i]))  # stable: ties keep file order
+    return [samples[i] for i in order[rank::world]]
+
+
 def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int | None) -> dict[str, float]:
     """One rank of a run (rank 0 of 1 on a single device)."""
     from msmodelslim.processor.base import PROCESSORS
@@ -90,7 +106,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
         samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
         steps = math.ceil(len(samples) / world)
-        mine = samples[rank * steps:(rank + 1) * steps]
+        mine = split_samples(samples, rank, world)
         processors = _build(spec.process, PROCESSORS, adapter)
         savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=request.prefetch, steps=steps)

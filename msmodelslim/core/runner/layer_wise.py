@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunStats:
-    """Seconds per stage summed over units (with prefetch, load counts only the time spent waiting for a unit)."""
+    """Seconds per stage summed over units (with prefetch, load counts only the time spent waiting for a unit);
+    `process.<type>` splits the process stage by processor (a type listed twice is summed)."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     units: int = 0
@@ -96,7 +97,9 @@ class LayerWiseRunner:
                 ctx = UnitContext(unit, module, self.adapter, self.dist,
                                   run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
                 for processor in self.processors:
+                    t1 = time.perf_counter()
                     processor.process_unit(ctx)
+                    self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 
                 t0 = time.perf_counter()
