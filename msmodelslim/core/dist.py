@@ -45,6 +45,16 @@ class DistContext:
             offset += numel
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """`src`'s values in `tensor` on every rank (in place; moved through this rank's device and back)."""
+        if not self.is_distributed:
+            return tensor
+        buf = tensor.to(self.device)
+        torch_dist.broadcast(buf, src=src)
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+
     def all_gather_objects(self, obj: object) -> list[object]:
         if not self.is_distributed:
             return [obj]

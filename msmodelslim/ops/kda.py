@@ -7,10 +7,11 @@ Recurrence (per sequence and head, state S [K, V] in fp32)::
 
     S <- Diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - k_t^T S)^T;   o_t = S^T (scale * q_t)
 
-Chunked form (chunk C=64, Gamma = in-chunk cumsum of g): intra-chunk scores use exp(Gamma_i - Gamma_j), which is only
-ever formed with a non-positive exponent: 16-row diagonal blocks mask the exponent before ``exp``; off-diagonal
-blocks factor through the first row r of the row block, ``(x_i e^{Gamma_i-Gamma_r}) @ (k_j e^{Gamma_r-Gamma_j})^T``,
-both exponents <= 0, so they are plain matmuls. Kimi's gates (per-step log-decay down to about -270) cannot overflow.
+Chunked form (chunk C=64, Gamma = in-chunk cumsum of g): intra-chunk scores need exp(Gamma_i - Gamma_j) for i >= j,
+and Kimi's gates (per-step log-decay down to about -270) make exp(Gamma) alone overflow. The chunk is halved
+recursively; each lower-left quadrant factors through the first row r of its lower half,
+``(x_i e^{Gamma_i-Gamma_r}) @ (k_j e^{Gamma_r-Gamma_j})^T`` with j < r <= i, so every exponent is <= 0 and every
+product is a plain matmul. The UT transform's unit-triangular inverse is built by the same recursive doubling.
 Memory is O(T): no [C, C, K] pairwise tensor is built.
 """
 
@@ -218,10 +219,13 @@ def _recurrent_core(q, k, v, g, beta, h0):
 def _exp2_neg(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """2**x for an exponent known to be <= 0 (base 2: exp2 is ~3x cheaper than exp on CPUs).
 
-    Clamped at -115 (2^-115 ~ e^-80) so results stay normal floats: denormals are very slow on CPUs, and the values
-    cut off are zero for every purpose here (gradients below the clamp are zero, as the true ones are ~1e-35).
+    On CPUs clamped at -115 (2^-115 ~ e^-80) so results stay normal floats: denormals are very slow there, and the
+    values cut off are zero for every purpose here (gradients below the clamp are zero, as the true ones are
+    ~1e-35). Accelerators handle denormals at full speed and skip the extra pass.
     ``inplace`` reuses a temporary ``x`` (skipped when autograd records it).
     """
+    if x.device.type != "cpu":
+        return x.exp2_() if inplace and not x.requires_grad else torch.exp2(x)
     if inplace and not x.requires_grad:
         return x.clamp_(min=-115.0).exp2_()
     return torch.exp2(x.clamp(min=-115.0))
@@ -234,8 +238,9 @@ def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b^T for a [.., m, d], b [.., n, d]; for tiny blocks a contiguous multiply-sum beats a batch of tiny GEMMs."""
-    if a.shape[-2] >= 8:
+    """a @ b^T for a [.., m, d], b [.., n, d]; for tiny blocks on CPUs a contiguous multiply-sum beats a batch of tiny
+    GEMMs (accelerators batch them well)."""
+    if a.shape[-2] >= 8 or a.device.type != "cpu":
         return a @ b.transpose(-1, -2)
     return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1)
 

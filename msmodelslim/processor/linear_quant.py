@@ -26,12 +26,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.quant.granularity import int_dtype
-from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, scheme_for
+from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, quantize_weight, scheme_for
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,16 @@ def select(name: str, unit_kind: str, include: list[str], exclude: list[str]) ->
     return bool(hits) and not _matches(name, exclude)
 
 
+def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Rank that does the work for each item: largest first onto the least-loaded rank (lowest rank on ties).
+    Deterministic, so every rank computes the same plan without communicating."""
+    owner, load = {}, [0] * world
+    for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes keep their order
+        owner[name] = load.index(min(load))
+        load[owner[name]] += sizes[name]
+    return owner
+
+
 @register_processor("linear_quant", LinearQuantConfig)
 class LinearQuantProcessor(Processor):
     config: LinearQuantConfig
@@ -157,12 +168,33 @@ class LinearQuantProcessor(Processor):
             ckpt = ctx.adapter.checkpoint_name(ctx.unit, live_name)
             if select(ckpt, ctx.unit.kind, cfg.include, cfg.exclude):
                 targets.append(live_name)
+        quantized = self._quantize_weights(ctx, {name: ctx.module.get_submodule(name) for name in targets})
         for live_name in targets:
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
             linear = getattr(parent, child)
-            setattr(parent, child, QuantLinear.from_linear(linear, scheme, weight_method=cfg.qconfig.weight.method))
+            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized[live_name]))
         logger.info("linear_quant %s: %s quantized %d linears", scheme.name, ctx.unit.name, len(targets))
+
+    def _quantize_weights(self, ctx: UnitContext, linears: dict[str, nn.Linear]) -> dict[str, tuple]:
+        """(q, scale) per linear. Rank-local experts are quantized by their rank. Each replicated linear is
+        quantized by one rank (largest first onto the least-loaded rank, the same plan on every rank) and broadcast
+        from there, so data-parallel ranks share that work and still end with the single-device integers."""
+        dist, weight = ctx.dist, self.config.qconfig.weight
+        scheme = self.config.scheme
+
+        def quantize(name: str) -> tuple:
+            return quantize_weight(linears[name].weight.detach(), scheme.weight, weight.method)
+
+        replicated = [n for n in linears if dist.is_distributed and not ctx.adapter.is_expert(n)]
+        owner = assign_owners({n: linears[n].weight.numel() for n in replicated}, dist.world_size)
+        out = {n: quantize(n) for n in linears if owner.get(n, dist.rank) == dist.rank}
+        for name in replicated:
+            w = linears[name].weight
+            q, scale = out.get(name) or (torch.empty(w.shape, dtype=torch.int8, device=w.device),
+                                         torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device))
+            out[name] = (dist.broadcast(q, owner[name]), dist.broadcast(scale, owner[name]))
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {}

@@ -113,11 +113,14 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
-                    ssz_iters: int = 50) -> QuantLinear:
-        """Quantize `linear`'s weight per channel (on its device) and carry over bias and online rotation."""
+                    ssz_iters: int = 50, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantLinear:
+        """Quantize `linear`'s weight per channel (on its device) and carry over bias and online rotation.
+
+        `quantized` = (q, scale) as `quantize_weight` returns them for this weight, when already computed.
+        """
         sch = get_scheme(scheme)
         w = linear.weight.detach()
-        q, scale = quantize_weight(w, sch.weight, weight_method, ssz_iters)
+        q, scale = quantized if quantized is not None else quantize_weight(w, sch.weight, weight_method, ssz_iters)
         rot = getattr(linear, ONLINE_ROTATION, None)
         return cls(linear.in_features, linear.out_features, sch, q, scale,
                    bias=None if linear.bias is None else linear.bias.detach(),

@@ -8,7 +8,7 @@ from msmodelslim.core.dist import SINGLE
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.base import PROCESSORS
-from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
+from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor, assign_owners
 from msmodelslim.quant import QuantLinear
 
 W4A8 = {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
@@ -116,3 +116,15 @@ def test_defaults_are_w8a8_include_all():
     cfg = LinearQuantConfig()
     assert cfg.scheme.name == "W8A8_DYNAMIC" and cfg.include == ["*"] and cfg.exclude == []
     assert LinearQuantConfig(qconfig=W4A8).scheme.name == "W4A8_DYNAMIC"
+
+
+def test_replicated_linears_are_shared_out_largest_first_to_the_least_loaded_rank():
+    sizes = {"mlp.gate_proj": 12, "mlp.up_proj": 12, "mlp.down_proj": 12, "self_attn.q_proj": 4,
+             "self_attn.k_proj": 4, "self_attn.o_proj": 4}
+    owner = assign_owners(sizes, 2)
+    assert owner == {"mlp.gate_proj": 0, "mlp.up_proj": 1, "mlp.down_proj": 0, "self_attn.q_proj": 1,
+                     "self_attn.k_proj": 1, "self_attn.o_proj": 1}
+    loads = [sum(sizes[n] for n, r in owner.items() if r == rank) for rank in range(2)]
+    assert loads == [24, 24]
+    assert set(assign_owners(sizes, 1).values()) == {0}
+    assert sorted(set(assign_owners(sizes, 8).values())) == list(range(6))  # more ranks than linears: one each

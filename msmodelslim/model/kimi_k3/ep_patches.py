@@ -74,9 +74,19 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
     slots = []
     for xs, idx, w in sources:
         out = torch.zeros((xs.shape[0], k, width), dtype=torch.float32, device=x.device)
+        # (token, slot) pairs grouped by expert with one host sync per source; the stable sort keeps each expert's
+        # rows in token order, so its matmuls see the rows a per-expert scan would give
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat).tolist() if flat.numel() else []
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
         for key, expert in experts.items():
-            rows, cols = torch.nonzero(idx == int(key), as_tuple=True)
-            if rows.numel():
+            e = int(key)
+            if e < len(counts) and counts[e]:
+                sel = order[starts[e]:starts[e + 1]]
+                rows, cols = sel // k, sel % k
                 out[rows, cols] = expert(xs[rows]).float() * w[rows, cols, None]
         slots.append(out)
     if dist.is_distributed:
