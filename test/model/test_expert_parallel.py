@@ -58,3 +58,23 @@ def test_patched_native_moe_matches_transformers_forward_and_undo_restores_it():
     handle.undo()
     assert native.KimiLinearMoE.forward.__module__ == native.__name__
     torch.testing.assert_close(moe(x), reference)
+
+
+def test_routed_dispatch_equals_a_per_expert_scan_bit_for_bit_and_skips_unrouted_slots():
+    """Reference: the plain per-expert scan (nonzero over the routing table), computed here. Tolerance: none, the
+    dispatch must hand each expert the same rows in the same order. A -1 slot (no expert) contributes nothing."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleDict({str(e): torch.nn.Linear(16, 16, bias=False) for e in (0, 2, 3, 5)})
+    x = torch.randn(11, 16)
+    idx = torch.randint(0, 6, (11, 3))
+    idx[4, 1] = -1
+    w = torch.rand(11, 3)
+    ref = torch.zeros(11, 3, 16)
+    for key, expert in experts.items():
+        rows, cols = torch.nonzero(idx == int(key), as_tuple=True)
+        ref[rows, cols] = expert(x[rows]).float() * w[rows, cols, None]
+    with torch.no_grad():
+        assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), ref.sum(dim=1))

@@ -78,12 +78,12 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         # rows in token order, so its matmuls see the rows a per-expert scan would give
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat).tolist() if flat.numel() else []
+        counts = torch.bincount(flat + 1).tolist() if flat.numel() else []  # +1: a router's -1 (no expert) sorts first
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
         for key, expert in experts.items():
-            e = int(key)
+            e = int(key) + 1
             if e < len(counts) and counts[e]:
                 sel = order[starts[e]:starts[e + 1]]
                 rows, cols = sel // k, sel % k
