@@ -2,9 +2,9 @@
 
     python bench/pipeline.py [--preset bench] [--device cpu] [--max-samples 8] [--max-seq-len 256]
 
-Stages (summed over units, rank 0): load = waiting for the next unit (prefetch hides the rest), process =
-processors incl. their statistic-collecting forwards, calibrate = the forward that feeds the next unit,
-save = writing shards.
+Stages (summed over units, rank 0): load = waiting for the next unit (on accelerators a background prefetch hides
+most of it; cpu loads in line), process = processors incl. their statistic-collecting forwards (and per processor,
+`process.<type>`), calibrate = the forward that feeds the next unit, save = writing shards.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
         "samples": args.max_samples, "max_seq_len": args.max_seq_len, "wall_s": round(run["wall_s"], 1),
         "runner_s": round(rank0["runner_wall"], 1),
         **{f"{stage}_s": round(rank0.get(stage, 0.0), 1) for stage in ("load", "calibrate", "process", "save")},
+        **{f"{key}_s": round(val, 1) for key, val in rank0.items() if key.startswith("process.")},
         "peak_rss_gb": round(max(r["peak_rss_gb"] for r in run["ranks"]), 3),
     })
 

@@ -1,6 +1,6 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
-Per unit: load (the next unit is prefetched in the background) -> processors in YAML order (they run calibration
+Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (they run calibration
 forwards through `UnitContext` when they need statistics) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference) -> save -> free.
 """
