@@ -48,6 +48,11 @@ def _expert_gb(model: Path) -> tuple[float, float]:
     return expert / 2**30, (expert + total) / 2**30
 
 
+def _stages(rank_stats: dict) -> dict[str, float]:
+    """Seconds of the calibration stage split by processor, plus the calibrate forward."""
+    return {key: round(val, 2) for key, val in rank_stats.items() if key.startswith("process.") or key == "calibrate"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
@@ -83,6 +88,7 @@ def main() -> None:
         "peak_gb_2_per_rank": [round(r[mem_key], 3) for r in runs[2]["ranks"]],
         "model_bf16_gb": round(model_gb, 3), "expert_bf16_gb": round(expert_gb, 3),
         "identical_output": same,
+        "stages_1": _stages(runs[1]["ranks"][0]), "stages_2_per_rank": [_stages(r) for r in runs[2]["ranks"]],
     })
 
 
