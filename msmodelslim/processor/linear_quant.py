@@ -168,11 +168,11 @@ class LinearQuantProcessor(Processor):
             ckpt = ctx.adapter.checkpoint_name(ctx.unit, live_name)
             if select(ckpt, ctx.unit.kind, cfg.include, cfg.exclude):
                 targets.append(live_name)
-        quantized = self._quantize_weights(ctx, {name: ctx.module.get_submodule(name) for name in targets})
-        for live_name in targets:
+        linears = {name: ctx.module.get_submodule(name) for name in targets}
+        quantized = self._quantize_weights(ctx, linears)
+        for live_name, linear in linears.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
-            linear = getattr(parent, child)
             setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized[live_name]))
         logger.info("linear_quant %s: %s quantized %d linears", scheme.name, ctx.unit.name, len(targets))
 
@@ -180,11 +180,10 @@ class LinearQuantProcessor(Processor):
         """(q, scale) per linear. Rank-local experts are quantized by their rank. Each replicated linear is
         quantized by one rank (largest first onto the least-loaded rank, the same plan on every rank) and broadcast
         from there, so data-parallel ranks share that work and still end with the single-device integers."""
-        dist, weight = ctx.dist, self.config.qconfig.weight
-        scheme = self.config.scheme
+        dist, scheme, method = ctx.dist, self.config.scheme, self.config.qconfig.weight.method
 
         def quantize(name: str) -> tuple:
-            return quantize_weight(linears[name].weight.detach(), scheme.weight, weight.method)
+            return quantize_weight(linears[name].weight.detach(), scheme.weight, method)
 
         replicated = [n for n in linears if dist.is_distributed and not ctx.adapter.is_expert(n)]
         owner = assign_owners({n: linears[n].weight.numel() for n in replicated}, dist.world_size)
