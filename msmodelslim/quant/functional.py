@@ -107,19 +107,24 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
     work = _work_dtype(w)
     w2 = w.detach().to(work).reshape(w.shape[0], -1)
     s0 = minmax_scale(w2, d, PerChannel())
-    ww = torch.linalg.vecdot(w2, w2).double().unsqueeze(-1)
-    q = torch.empty_like(w2)
+    # Two weight-sized buffers reused by every step: a weight-sized temporary per step would be a fresh mapping whose
+    # pages fault in again (glibc maps blocks over 1 MiB individually, see core/memory.py), 5x the arithmetic.
+    q, prod = torch.empty_like(w2), torch.empty_like(w2)
 
-    def rounded(scale: torch.Tensor) -> torch.Tensor:  # q(scale), written into one reused buffer
+    def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # sum(a * b) per row, [out, 1]
+        return torch.mul(a, b, out=prod).sum(dim=-1, keepdim=True)
+
+    def rounded(scale: torch.Tensor) -> torch.Tensor:  # q(scale)
         torch.div(w2, scale, out=q)
         return q.round_().clamp_(d.qmin, d.qmax)
 
+    ww = rowdot(w2, w2).double()
     s = s0
     best_s, best_err = s0, None
     for step in range(iters + 1):
         rounded(s)
-        wq = torch.linalg.vecdot(w2, q).unsqueeze(-1)
-        qq = torch.linalg.vecdot(q, q).unsqueeze(-1)
+        wq = rowdot(w2, q)
+        qq = rowdot(q, q)
         sd = s.double()
         err = ww - 2 * sd * wq.double() + sd * sd * qq.double()
         if best_err is None:
@@ -137,8 +142,8 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
     # Exact guard against rounding in the dot-product error: min/max wins every row where it is not worse.
     exact = {}
     for key, scale in (("ssz", best_s), ("minmax", s0)):
-        rounded(scale)
-        exact[key] = ((w2 - q * scale) ** 2).sum(dim=-1, keepdim=True)
+        residual = torch.sub(w2, rounded(scale).mul_(scale), out=prod)
+        exact[key] = rowdot(residual, residual)
     best_s = torch.where(exact["ssz"] < exact["minmax"], best_s, s0)
     return best_s.to(torch.float32)
 
