@@ -55,12 +55,5 @@ class DistContext:
             tensor.copy_(buf)
         return tensor
 
-    def all_gather_objects(self, obj: object) -> list[object]:
-        if not self.is_distributed:
-            return [obj]
-        gathered: list[object] = [None] * self.world_size
-        torch_dist.all_gather_object(gathered, obj)
-        return gathered
-
 
 SINGLE = DistContext()

@@ -196,7 +196,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
         result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
     finally:
         reader.close()
-        if owned and callable(getattr(adapter, "close", None)):
+        if owned:
             adapter.close()  # undo the adapter's runtime patches of the checkpoint's classes
     logger.info("perplexity over %d windows x %d tokens: original %.4f, quantized %.4f (%+.2f%%)", result.windows,
                 seq_len, result.ppl_orig, result.ppl_quant, result.delta_pct)

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 if TYPE_CHECKING:
     from msmodelslim.core.runner.context import UnitContext
     from msmodelslim.model.base import ModelAdapter
@@ -35,6 +37,13 @@ class Processor(ABC):
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
         return {}
+
+    def require_float_weight(self, unit_name: str, name: str, module: nn.Module) -> None:
+        """Refuse a module whose weight is already integer: float transforms must run before linear_quant."""
+        weight = module._parameters.get("weight")  # a QuantLinear's `.weight` is a dequantised copy
+        if weight is None or not weight.is_floating_point():
+            raise ValueError(f"{self.name}: {unit_name}/{name} has no float weight (is it already quantized? "
+                             f"{self.name} must come before linear_quant in the practice)")
 
 
 PROCESSORS: dict[str, type[Processor]] = {}

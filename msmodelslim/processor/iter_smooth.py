@@ -145,10 +145,8 @@ class IterSmoothProcessor(Processor):
                 raise KeyError(f"smoothing subgraph {sg.type} of unit {ctx.unit.name}: no module named {missing[0]!r}")
             if sg.type not in enabled:
                 continue
-            frozen = [n for n in sg.sources + sg.targets + sg.float_targets if not _has_float_weight(modules[n])]
-            if frozen:
-                raise ValueError(f"iter_smooth: {ctx.unit.name}/{frozen[0]} has no float weight (is it already "
-                                 f"quantized? iter_smooth must come before linear_quant in the practice)")
+            for name in sg.sources + sg.targets + sg.float_targets:
+                self.require_float_weight(ctx.unit.name, name, modules[name])
             if any(hasattr(modules[t], "online_rotation") for t in sg.targets):
                 # the reader sees T x (online Hadamard): a scale folded into the producer of x cannot reach it
                 self.skipped_online += 1
@@ -208,11 +206,6 @@ class IterSmoothProcessor(Processor):
             "scale_min": self.config.scale_min,
             "subgraph_types": list(self.config.enable_subgraph_type),
         }}
-
-
-def _has_float_weight(module: nn.Module) -> bool:
-    weight = module._parameters.get("weight")  # a QuantLinear's `.weight` is a dequantised copy
-    return weight is not None and weight.is_floating_point()
 
 
 def _source_width(modules: dict[str, nn.Module], sg: Subgraph) -> int:

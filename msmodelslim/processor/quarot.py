@@ -216,10 +216,7 @@ class QuaRotProcessor(Processor):
         def get(name: str) -> nn.Module:
             if name not in modules:
                 raise KeyError(f"quarot plan of unit {ctx.unit.name}: no module named {name!r}")
-            weight = modules[name]._parameters.get("weight")  # a QuantLinear's `.weight` is a dequantised copy
-            if weight is None or not weight.is_floating_point():
-                raise ValueError(f"quarot: {ctx.unit.name}/{name} has no float weight (is it already quantized? "
-                                 f"quarot must come before linear_quant in the practice)")
+            self.require_float_weight(ctx.unit.name, name, modules[name])
             return modules[name]
 
         spaces = self.enabled_spaces()
