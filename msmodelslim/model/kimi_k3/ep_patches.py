@@ -13,6 +13,7 @@ rows as on a single device that processes the same sample.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,9 +80,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat + 1).tolist() if flat.numel() else []  # +1: a router's -1 (no expert) sorts first
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(counts)]
         for key, expert in experts.items():
             e = int(key) + 1
             if e < len(counts) and counts[e]:
