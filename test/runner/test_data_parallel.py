@@ -80,3 +80,12 @@ def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
     assert got == [[300, 280, 7, 5], [290, 8, 6]]
     assert sorted(n for share in got for n in share) == sorted(sizes)  # every sample exactly once
     assert split_samples(samples, 0, 1) == sorted(samples, key=lambda s: -s["input_ids"].shape[1])
+
+
+def test_the_rank_that_failed_first_is_reported(tmp_path: Path):
+    from msmodelslim.core.quant_service import _first_failure
+
+    assert _first_failure(tmp_path) is None
+    (tmp_path / "rank0").write_text('{"time": 20.5, "error": "Connection reset by peer"}')
+    (tmp_path / "rank1").write_text('{"time": 20.1, "error": "injected failure on rank 1"}')
+    assert _first_failure(tmp_path) == (1, "injected failure on rank 1")

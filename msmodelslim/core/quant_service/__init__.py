@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +78,10 @@ def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[
     return [samples[i] for i in order[rank::world]]
 
 
-def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int | None) -> dict[str, float]:
-    """One rank of a run (rank 0 of 1 on a single device)."""
+def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int | None,
+               failures: str | None = None) -> dict[str, float]:
+    """One rank of a run (rank 0 of 1 on a single device). A failing rank notes its error and the time in the
+    folder `failures`, so the service can report the rank that failed first rather than a peer that only lost it."""
     from msmodelslim.processor.base import PROCESSORS
     from msmodelslim.processor.save.base import SAVERS
 
@@ -125,8 +128,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
             # Benchmarks read per-rank stage timings and memory from here.
             Path(f"{os.environ[STATS_ENV]}.rank{rank}").write_text(json.dumps(result))
         return result
-    except Exception:
+    except Exception as exc:
         logger.exception("rank %d of %d failed", rank, world)
+        if failures:
+            Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}"}))
         raise
     finally:
         if adapter is not None:
@@ -147,8 +152,24 @@ def run_service(request: QuantRequest) -> None:
         run_worker(0, request, records, None)
         return
     # One process per device; every rank is terminated as soon as one fails, so a failure cannot hang.
-    mp.start_processes(run_worker, args=(request, records, _free_port()), nprocs=world, join=True,
-                       start_method=_start_method(request.device.type))
+    with tempfile.TemporaryDirectory(prefix="msmodelslim-failures-") as failures:
+        try:
+            mp.start_processes(run_worker, args=(request, records, _free_port(), failures), nprocs=world,
+                               join=True, start_method=_start_method(request.device.type))
+        except mp.ProcessRaisedException as exc:
+            first = _first_failure(Path(failures))
+            if first is not None and first[0] != exc.error_index:
+                # the rank torch reports may only have lost its peer (a collective reset by the failing rank)
+                raise RuntimeError(f"rank {first[0]} failed first: {first[1]}") from exc
+            raise
+
+
+def _first_failure(folder: Path) -> tuple[int, str] | None:
+    notes = [(json.loads(p.read_text()), int(p.name[len("rank"):])) for p in folder.glob("rank*")]
+    if not notes:
+        return None
+    note, rank = min(notes, key=lambda n: n[0]["time"])
+    return rank, note["error"]
 
 
 def _start_method(device_type: str) -> str:
