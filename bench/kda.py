@@ -15,6 +15,7 @@ Prints one JSON line last. Usage: ``python bench/kda.py [--device cuda] [--T 409
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
 import json
 import logging
@@ -99,11 +100,12 @@ def _proc_status_kb(field: str) -> int:
 
 
 def peak_mem_child(T: int, B: int, H: int, K: int, V: int) -> None:
-    """Run ours once at length T; print the peak-RSS growth (MB) over the resident inputs (Linux: the high-water
-    mark is reset through /proc/self/clear_refs before the run)."""
+    """Run ours once at length T; print the peak-RSS growth (MB) over the resident inputs (Linux, glibc: freed heap
+    is trimmed and the high-water mark reset through /proc/self/clear_refs before the run)."""
     (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
     with torch.inference_mode():
         ours(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])  # first-call allocations
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so reused free memory cannot hide growth
     Path("/proc/self/clear_refs").write_text("5")
     base = _proc_status_kb("VmRSS")
     with torch.inference_mode():

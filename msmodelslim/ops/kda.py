@@ -7,12 +7,13 @@ Recurrence (per sequence and head, state S [K, V] in fp32)::
 
     S <- Diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - k_t^T S)^T;   o_t = S^T (scale * q_t)
 
-Chunked form (chunk C=64, Gamma = in-chunk cumsum of g): intra-chunk scores need exp(Gamma_i - Gamma_j) for i >= j,
-and Kimi's gates (per-step log-decay down to about -270) make exp(Gamma) alone overflow. The chunk is halved
-recursively; each lower-left quadrant factors through the first row r of its lower half,
-``(x_i e^{Gamma_i-Gamma_r}) @ (k_j e^{Gamma_r-Gamma_j})^T`` with j < r <= i, so every exponent is <= 0 and every
-product is a plain matmul. The UT transform's unit-triangular inverse is built by the same recursive doubling.
-Memory is O(T): no [C, C, K] pairwise tensor is built.
+Chunked form (chunks of C steps; C=16 on CPUs, 64 on accelerators): intra-chunk scores need
+prod_{j<t<=i} exp(g_t) for i >= j, and Kimi's gates (per-step log-decay down to about -270) make the usual
+factorisation exp(Gamma_i) exp(-Gamma_j) of a cumsum Gamma overflow. Here every factor is a product of per-step
+decays exp(g_t) <= 1, built level by level by recursive halving (see ``_intra_chunk_scores``): nothing can
+overflow, and no [C, C, K] pairwise tensor is built, so memory is O(T). The UT transform's unit-triangular inverse
+is built by recursive doubling as well. Chunks are processed in cache-sized groups; only three
+matmul-sized ops per chunk are sequential.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64
-GROUP_BUDGET = 1 << 17  # elements of q per group of chunks handled at once on CPU (keeps a group in cache)
+CHUNK_SIZE = 16  # on CPUs: the sequential work is the same for any chunk size, the in-chunk work grows with it
+CHUNK_SIZE_ACCEL = 64  # on accelerators: fewer sequential steps (kernel launches)
+GROUP_BUDGET = 1 << 18  # elements of q per group of chunks handled at once on CPU (a few MB: near the caches)
 GROUP_BUDGET_ACCEL = 1 << 26  # on accelerators (few, large launches)
 LOG2E = 1.4426950408889634
 
@@ -135,19 +137,15 @@ def _from_padded(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # argument handling shared by chunk_kda and fused_recurrent_kda
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-             allow_neg_eigval, lower_bound, A_log, dt_bias):
+def _prepare(q, k, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+             A_log, dt_bias):
+    """Validate shapes; return q, k (grouped value heads expanded; dtype kept, the cores convert while copying),
+    v, and g, beta in fp32 with the in-kernel gate / beta sigmoid applied."""
     H, HV = q.shape[2], v.shape[2]
     if k.shape != q.shape:
         raise ValueError(f"q and k must have the same shape, got q={tuple(q.shape)} k={tuple(k.shape)}")
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
-    K = q.shape[-1]
-    if scale is None:
-        scale = K**-0.5
-    q, k, v = q.float(), k.float(), v.float()
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
     if HV != H:  # grouped value attention: each q/k head serves HV/H value heads
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     if use_gate_in_kernel:
@@ -162,15 +160,17 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kerne
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if beta.dim() != 3:
         raise ValueError(f"beta must be [B, T, HV] (head-wise), got {tuple(beta.shape)}")
-    return q * scale, k, v, g, beta
+    return q, k, v, g, beta
 
 
-def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, flags):
+def _run(core, q, k, v, g, beta, scale, qk_l2norm, initial_state, output_final_state, cu_seqlens, state_v_first,
+         gate_flags):
     out_dtype = q.dtype
     B = q.shape[0]
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (packed sequences), got {B}")
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, *flags)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, *gate_flags)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     h0 = initial_state
     if h0 is not None:
         h0 = h0.float()
@@ -181,10 +181,10 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
             raise ValueError(f"initial_state has {h0.shape[0]} states for {len(cu_seqlens) - 1} sequences")
         index, valid, _ = _seq_index(cu_seqlens)
         q, k, v, g, beta = (_to_padded(x, index, valid) for x in (q, k, v, g, beta))
-        o, ht = core(q, k, v, g, beta, h0)
+        o, ht = core(q, k, v, g, beta, h0, scale, qk_l2norm)
         o = _from_padded(o, valid)
     else:
-        o, ht = core(q, k, v, g, beta, h0)
+        o, ht = core(q, k, v, g, beta, h0, scale, qk_l2norm)
     if not output_final_state:
         ht = None
     elif state_v_first:
@@ -196,11 +196,17 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 # recurrent (decode) core
 
 
-def _recurrent_core(q, k, v, g, beta, h0):
-    """q (pre-scaled), k, v, g: [B, T, H, *] fp32; beta [B, T, H]; h0 [B, H, K, V] or None."""
+def _recurrent_core(q, k, v, g, beta, h0, scale, qk_l2norm):
+    """q, k, v, g: [B, T, H, *]; beta [B, T, H]; h0 [B, H, K, V] or None. Computes in q's float precision (fp32,
+    or fp64 for the reference)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
     B, T, H, K = k.shape
     V = v.shape[-1]
-    S = h0 if h0 is not None else q.new_zeros(B, H, K, V)
+    S = h0.to(dtype) if h0 is not None else q.new_zeros(B, H, K, V)
     outs = []
     for t in range(T):
         S = S * g[:, t].exp().unsqueeze(-1)
@@ -216,27 +222,6 @@ def _recurrent_core(q, k, v, g, beta, h0):
 # chunked (prefill) core
 
 
-def _exp2_neg(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """2**x for an exponent known to be <= 0 (base 2: exp2 is ~3x cheaper than exp on CPUs).
-
-    On CPUs clamped at -115 (2^-115 ~ e^-80) so results stay normal floats: denormals are very slow there, and the
-    values cut off are zero for every purpose here (gradients below the clamp are zero, as the true ones are
-    ~1e-35). Accelerators handle denormals at full speed and skip the extra pass.
-    ``inplace`` reuses a temporary ``x`` (skipped when autograd records it).
-    """
-    if x.device.type != "cpu":
-        return x.exp2_() if inplace and not x.requires_grad else torch.exp2(x)
-    if inplace and not x.requires_grad:
-        return x.clamp_(min=-115.0).exp2_()
-    return torch.exp2(x.clamp(min=-115.0))
-
-
-def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
-    """Writable view [.., s, s, C/s] of the s x s diagonal blocks of square matrices A [.., C, C]."""
-    *lead, C, _ = A.shape
-    return A.view(*lead, C // s, s, C // s, s).diagonal(dim1=-4, dim2=-2)
-
-
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b^T for a [.., m, d], b [.., n, d]; for tiny blocks on CPUs a contiguous multiply-sum beats a batch of tiny
     GEMMs (accelerators batch them well)."""
@@ -245,40 +230,58 @@ def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1)
 
 
-def _intra_chunk_scores(X: torch.Tensor, G2: torch.Tensor) -> torch.Tensor:
-    """Aqk (i >= j) and Akk (i > j) with entries sum_d x_id k_jd 2^(G_id - G_jd) (x = q for Aqk, k for Akk), for
-    chunks X [.., C, 2, K] holding q and k rows interleaved; G2 [.., C, K] = in-chunk cumulative log2-decay
-    (non-increasing along C). Returns A [.., C, 2, C]: A[.., i, 0, :] is row i of Aqk, A[.., i, 1, :] of Akk.
+def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
+    """Intra-chunk scores and the decayed q and k, from per-step decays alone (no exponent of a cumsum).
 
-    Recursive halving: every s x s diagonal block (s = C, C/2, .., 2) contributes its lower-left quadrant through
-    the first row r of its lower half, (x_i 2^(G_i - G_r)) @ (k_j 2^(G_r - G_j))^T with j < r <= i, so both
-    exponents are <= 0 and nothing can overflow whatever the gates. The quadrants tile the strict lower triangle
-    (each pair once); the diagonal of Aqk is q_i . k_i. A few passes over q and k per level and no pairwise
-    [C, C, K] tensor; one matmul serves both matrices.
+    X [.., C, 2, K]: q and k rows interleaved; D [.., C, K]: per-step decays d_t = exp(g_t) in (0, 1].
+    Aqk[i, j] (i >= j) and Akk[i, j] (i > j) = sum_d x_id k_jd prod_{j<t<=i} d_td  (x = q resp. k).
+
+    Recursive halving, bottom-up over block sizes s = 2, 4, .., C: the lower-left quadrant of each s x s diagonal
+    block (rows i in its second half, columns j in its first) is ``(x_i P_i) @ (k_j R_j)^T``, P_i the product of
+    the decays from the half's boundary up to i, R_j from j up to the boundary. Both are products of factors <= 1
+    (nothing overflows, whatever the gates), and going to the next level only multiplies half of the rows by one
+    boundary row of P (a Sklansky prefix-product scan), so the scaled rows x P and k R are carried along instead of
+    P and R. The quadrants tile the strict lower triangle; the diagonal of Aqk is q_i . k_i.
+
+    Returns A [.., C, 2, C] (A[.., i, 0, :] row i of Aqk, A[.., i, 1, :] of Akk), Y = X P [.., C, 2, K] (decay from
+    the chunk start), Z = k R [.., C, K] (decay to the chunk end) and the chunk's total decay [.., 1, K].
     """
     *lead, C, _, K = X.shape
     A = X.new_zeros(*lead, C, 2, C)
-    s = C
-    while s >= 2:
+    A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_(torch.linalg.vecdot(X[..., 0, :], X[..., 1, :]))
+    P, Y, Z = D, X * D.unsqueeze(-2), X[..., 1, :]
+    s = 2
+    while s <= C:
         h, nb = s // 2, C // s
-        Gb = G2.reshape(*lead, nb, 2, h, K)
-        Xb = X.reshape(*lead, nb, 2, h, 2, K)
-        ref = Gb[..., 1, :1, :]  # [.., nb, 1, K]: first row of each lower half
-        # (the contiguous factor first: elementwise kernels follow the first operand's layout, ~5x faster here)
-        lower = _exp2_neg(Gb[..., 1, :, :] - ref, inplace=True).unsqueeze(-2) * Xb[..., 1, :, :, :]
-        upper = _exp2_neg(ref - Gb[..., 0, :, :], inplace=True) * Xb[..., 0, :, 1, :]
-        quad = _matmul_nt(lower.reshape(*lead, nb, 2 * h, K), upper)  # [.., nb, 2h, h]
+        Yb, Zb, Pb = Y.view(*lead, nb, 2, h, 2, K), Z.reshape(*lead, nb, 2, h, K), P.view(*lead, nb, 2, h, K)
+        quad = _matmul_nt(Yb[..., 1, :, :, :].reshape(*lead, nb, 2 * h, K), Zb[..., 0, :, :])  # [.., nb, 2h, h]
         blocks = A.view(*lead, nb, s, 2, nb, s).diagonal(dim1=-5, dim2=-2)  # [.., s, 2, s, nb]
-        blocks[..., h:, :, :h, :] = quad.reshape(*lead, nb, h, 2, h).movedim(-4, -1)
-        s = h
-    A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))
-    return A
+        blocks[..., h:, :, :h, :] = quad.view(*lead, nb, h, 2, h).movedim(-4, -1)
+        # to block size s: second halves times the first half's last P row, first halves of Z times the last P row
+        if not inplace:  # (autograd keeps the old values)
+            P, Y = P.clone(), Y.clone()
+        Z = Z.clone() if s == 2 or not inplace else Z  # the first Z is q/k's storage
+        Yn, Zn, Pn = Y.view(*lead, nb, 2, h, 2, K), Z.view(*lead, nb, 2, h, K), P.view(*lead, nb, 2, h, K)
+        Zn[..., 0, :, :] *= Pb[..., 1, -1:, :]
+        Yn[..., 1, :, :, :] *= Pb[..., 0, -1:, :].unsqueeze(-2)
+        Pn[..., 1, :, :] *= Pb[..., 0, -1:, :]
+        s *= 2
+    return A, Y, Z, P[..., -1:, :]
+
+
+def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
+    """Writable view [.., s, s, C/s] of the s x s diagonal blocks of square matrices A [.., C, C]."""
+    *lead, C, _ = A.shape
+    return A.view(*lead, C // s, s, C // s, s).diagonal(dim1=-4, dim2=-2)
 
 
 def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     """(I + L)^-1 for strictly lower-triangular L [.., C, C] (C a power of two), by recursive doubling:
     inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] over block sizes 2, 4, .., C (matmuls only, no
-    triangular-solve calls; the same arithmetic as blocked forward substitution)."""
+    triangular-solve calls; the same arithmetic as blocked forward substitution).
+
+    (Not the shorter Neumann product prod_m (I + (-L)^(2^m)): with nearly parallel keys its powers of L grow large
+    and cancel; see test_chunk_stays_accurate_with_correlated_keys_and_slow_decay.)"""
     C = L.shape[-1]
     grad = torch.is_grad_enabled() and L.requires_grad
     inv = torch.zeros_like(L)
@@ -297,61 +300,91 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _chunk_core(q, k, v, g, beta, h0, chunk_size: int = CHUNK_SIZE):
-    """q (pre-scaled), k, v, g: [B, T, H, *] fp32 (g <= 0: log-decay); beta [B, T, H]; h0 [B, H, K, V] or None.
+def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
+    """One group of n consecutive chunks: q, k, v, g, beta are its time slice [B, <= n*C, H, *]; S [BH, K, V] the
+    state at its start. Returns (o [n, BH, C, V], S at its end).
 
-    Per chunk of C steps with state S at its start (G = in-chunk cumulative log2-decay):
-        W = T (beta k 2^G),  U = T (beta v)  with  T = (I + strict(beta Akk))^-1   (UT transform)
-        v_new = U - W S;  o = (q 2^G) S + Aqk v_new;  S <- 2^G_last S + (k 2^(G_last - G))^T v_new
-    Everything but the last two lines is independent per chunk and computed for a group of chunks at once; the
-    sequential walk over chunks is then 5 batched matmul-sized ops per chunk.
+    Per chunk with state S at its start, P = decay from the chunk start, R = decay to the chunk end:
+        W = T (beta k P),  U = T (beta v)  with  T = (I + strict(beta Akk))^-1     (UT transform)
+        v_new = U - W S;  o = (q P) S + Aqk v_new;  S <- P_last S + (k R)^T v_new
+    All but v_new, (q P) S and the state update are computed for the n chunks at once, and Aqk v_new after the walk.
     """
+    B, tg, H, K = q.shape
+    V = v.shape[-1]
+    BH, pad = B * H, n * C - tg
+    f32 = torch.float32
+
+    def chunked(x):  # [B, tg, H, D] -> strided view [n, B, H, C, D] (chunk-major; zero-padded to n*C steps)
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.unflatten(1, (n, C)).permute(1, 0, 3, 2, 4)
+
+    def new(*shape):
+        return torch.empty(n, B, H, C, *shape, dtype=f32, device=q.device)
+
+    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
+    if qk_l2norm:  # fla's l2norm, x / sqrt(sum x^2 + eps), with the q scale folded into the same multiply
+        rq, rk = ((torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=f32).square() + 1e-6).rsqrt()
+                  for x in (qc, kc))
+        rq = rq * scale
+    else:  # (one-element tensors, not scalars: they make the multiply run in fp32 for bf16 inputs)
+        rq, rk = (torch.full((1,), c, dtype=f32, device=q.device) for c in (scale, 1.0))
+    if inplace:  # straight into cache-resident chunk-major buffers
+        X = new(2, K)
+        torch.mul(qc, rq, out=X[..., 0, :])
+        torch.mul(kc, rk, out=X[..., 1, :])
+        D = torch.mul(gc, LOG2E, out=new(K)).exp2_()  # (exp2 is ~4x cheaper than exp on CPUs)
+        v = new(V).copy_(vc)
+    else:
+        X = torch.stack([qc * rq, kc * rk], dim=-2).contiguous()
+        D = (gc * LOG2E).exp2().contiguous()
+        v = vc.float().contiguous()
+    # X: q and k rows interleaved; D: per-step decays
+    X, D, v = X.view(n, BH, C, 2, K), D.view(n, BH, C, K), v.view(n, BH, C, V)
+    b = chunked(beta.unsqueeze(-1)).reshape(n, BH, C, 1).float()
+
+    A, Y, Z, decay = _intra_chunk_scores(X, D, inplace)
+    Aqk, Akk, qP, kP = A[..., 0, :], A[..., 1, :], Y[..., 0, :], Y[..., 1, :]
+    kR_t, decay = Z.transpose(-1, -2), decay.transpose(-1, -2)  # [n, BH, K, C], [n, BH, K, 1]
+    Tb = _unit_lower_inverse(Akk * b) * b.transpose(-1, -2)  # T diag(beta)
+    W, U = Tb @ kP, Tb @ v
+    if inplace:
+        o_grp, v_news = torch.empty_like(U), torch.empty_like(U)
+        for i in range(n):
+            torch.baddbmm(U[i], W[i], S, alpha=-1, out=v_news[i])  # U - W S
+            torch.bmm(qP[i], S, out=o_grp[i])
+            S = S.mul_(decay[i]).baddbmm_(kR_t[i], v_news[i])
+    else:
+        outs, news = [], []
+        for i in range(n):
+            news.append(torch.baddbmm(U[i], W[i], S, alpha=-1))
+            outs.append(qP[i] @ S)
+            S = torch.baddbmm(S * decay[i], kR_t[i], news[-1])
+        o_grp, v_news = torch.stack(outs), torch.stack(news)
+    o_grp = torch.baddbmm(o_grp.flatten(0, 1), Aqk.flatten(0, 1), v_news.flatten(0, 1))  # + Aqk v_new, all chunks at once
+    return o_grp.view(n, BH, C, V), S
+
+
+def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
+    """q, k [B, T, H, K]; v [B, T, H, V]; g (log-decay, <= 0), beta: fp32 [B, T, H, K] / [B, T, H]; h0 [B, H, K, V]
+    or None. Walks groups of chunks sized to stay in cache on CPUs (few, large launches on accelerators)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = chunk_size
     N = -(-T // C)
-    pad = N * C - T
     BH = B * H
-
-    def chunks(x):  # [B, T, H, D] -> [N, B*H, C, D]: chunk-major, so a chunk's slice is contiguous
-        if pad:
-            x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(N, BH, C, x.shape[-1])
-
-    X = chunks(torch.stack([q, k], dim=-2).flatten(-2)).unflatten(-1, (2, K))  # [N, BH, C, 2, K] q/k interleaved
-    v = chunks(v)
-    b = chunks(beta.unsqueeze(-1))  # [N, BH, C, 1]
-    # In-chunk cumulative log2-decay. torch's CPU cumsum over a middle dim is slow (~5x a running sum of C slices).
-    G2 = chunks(g * LOG2E)
-    if g.device.type == "cpu":
-        for i in range(1, C):
-            G2[..., i, :] += G2[..., i - 1, :]
-    else:
-        G2 = G2.cumsum(-2)
-
+    inplace = not (torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)))
     budget = GROUP_BUDGET if q.device.type == "cpu" else GROUP_BUDGET_ACCEL
     group = max(1, budget // (BH * C * K))
-    S = h0.reshape(BH, K, V) if h0 is not None else q.new_zeros(BH, K, V)
-    o = q.new_empty(B, N * C, H, V)
-    o_chunks = o.view(B, N, C, H, V).permute(1, 0, 3, 2, 4)  # written chunk by chunk, [N, B, H, C, V] view
+    S = h0.reshape(BH, K, V).clone() if h0 is not None else q.new_zeros(BH, K, V, dtype=torch.float32)
+    o = q.new_empty(B, N * C, H, V, dtype=torch.float32)
     for n0 in range(0, N, group):
-        sl = slice(n0, n0 + group)
-        Xn, vn, bn, Gn = X[sl], v[sl], b[sl], G2[sl]
-        A = _intra_chunk_scores(Xn, Gn)
-        Aqk, Akk = A[..., 0, :], A[..., 1, :]
-        XG = Xn * _exp2_neg(Gn).unsqueeze(-2)  # q 2^G and k 2^G, interleaved
-        Tb = _unit_lower_inverse(Akk * bn) * bn.transpose(-1, -2)  # T diag(beta)
-        W = Tb @ XG[..., 1, :]
-        U = Tb @ vn
-        QW = torch.stack([XG[..., 0, :], W], dim=-2).flatten(-3, -2)  # [.., 2C, K]: one matmul gives qg S and W S
-        G_last = Gn[..., -1:, :]
-        kd = (Xn[..., 1, :] * _exp2_neg(G_last - Gn, inplace=True)).transpose(-1, -2)  # [.., K, C]
-        decay = _exp2_neg(G_last).transpose(-1, -2)  # [.., K, 1]
-        for i in range(Xn.shape[0]):
-            Y = (QW[i] @ S).unflatten(-2, (C, 2))  # [BH, C, 2, V]
-            v_new = U[i] - Y[..., 1, :]
-            o_chunks[n0 + i] = torch.baddbmm(Y[..., 0, :], Aqk[i], v_new).view(B, H, C, V)
-            S = torch.baddbmm(decay[i] * S, kd[i], v_new)
+        n = min(group, N - n0)
+        t0, t1 = n0 * C, min((n0 + n) * C, T)
+        o_grp, S = _chunk_group(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], S, n, C, scale,
+                            qk_l2norm, inplace)
+        o[:, t0 : t0 + n * C].unflatten(1, (n, C)).permute(1, 0, 3, 2, 4).copy_(o_grp.unflatten(1, (B, H)))
     return o[:, :T], S.reshape(B, H, K, V)
 
 
@@ -394,16 +427,17 @@ def chunk_kda(
         raise NotImplementedError("chunk_kda(return_intermediate_states=True) is not supported by the torch kernel")
     if kwargs.get("cp_context") is not None:
         raise NotImplementedError("chunk_kda: context parallelism is not supported by the torch kernel")
-    chunk_size = kwargs.pop("chunk_size", CHUNK_SIZE)
+    chunk_size = kwargs.pop("chunk_size", None) or (CHUNK_SIZE if q.device.type == "cpu" else CHUNK_SIZE_ACCEL)
     if chunk_size < 2 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 2, got {chunk_size}")
-    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-             kwargs.get("A_log"), kwargs.get("dt_bias"))
+    gate_flags = (use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, kwargs.get("A_log"),
+                  kwargs.get("dt_bias"))
 
     def core(*a):
         return _chunk_core(*a, chunk_size=chunk_size)
 
-    return _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, flags)
+    return _run(core, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, initial_state, output_final_state,
+                cu_seqlens, state_v_first, gate_flags)
 
 
 def fused_recurrent_kda(
@@ -435,10 +469,9 @@ def fused_recurrent_kda(
     for name in ("ssm_state_indices", "num_accepted_tokens"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"fused_recurrent_kda({name}=...) is not supported by the torch kernel")
-    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-             A_log, dt_bias)
-    return _run(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                state_v_first, flags)
+    gate_flags = (use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias)
+    return _run(_recurrent_core, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, initial_state,
+                output_final_state, cu_seqlens, state_v_first, gate_flags)
 
 
 def naive_recurrent_kda_fp64(
@@ -451,8 +484,7 @@ def naive_recurrent_kda_fp64(
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 reference recurrence (no l2-norm, no gate activation); returns (o, final_state) in float64."""
-    K = q.shape[-1]
-    scale = K**-0.5 if scale is None else scale
     d = torch.float64
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     h0 = None if initial_state is None else initial_state.to(d)
-    return _recurrent_core(q.to(d) * scale, k.to(d), v.to(d), g.to(d), beta.to(d), h0)
+    return _recurrent_core(q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), h0, scale, qk_l2norm=False)
