@@ -88,8 +88,11 @@ def timed_interleaved(fns, repeats: int) -> list[tuple[float, object, float]]:
     return [(t, r, c) for (t, c), r in zip(best, results)]
 
 
+CHUNK_SIZE = None  # --chunk-size; None: the kernel's default for the device
+
+
 def ours(q, k, v, g, beta):
-    return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK_SIZE)
 
 
 def _proc_status_kb(field: str) -> int:
@@ -122,7 +125,7 @@ def cpu_bench(args) -> dict:
     B, H, T, K, V = 1, 8, args.T, 128, 128
     (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
     res: dict = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "T": T, "K": K, "V": V,
-                 "dtype": "float32"}
+                 "dtype": "float32", "chunk_size": args.chunk_size}
     with torch.inference_mode():
         qn, kn = l2norm(q), l2norm(k)
         (t_ours, (o, s), c_ours), (t_naive, (o_naive, s_naive), c_naive) = timed_interleaved(
@@ -145,7 +148,8 @@ def cpu_bench(args) -> dict:
         errs["state_vs_transformers_fallback"] = rel_rms(s, s_fb)
     mem = {}
     for Tm in args.mem_T:
-        out = subprocess.run([sys.executable, __file__, "--_mem-child", str(Tm)], capture_output=True, text=True,
+        extra = ["--chunk-size", str(args.chunk_size)] if args.chunk_size else []
+        out = subprocess.run([sys.executable, __file__, "--_mem-child", str(Tm), *extra], capture_output=True, text=True,
                              check=True)
         mem[str(Tm)] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mem_mb"]
     res.update({
@@ -182,7 +186,8 @@ def cuda_bench(args) -> dict:
                              use_qk_l2norm_in_kernel=True)
 
     def ours_run():
-        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         chunk_size=args.chunk_size)
 
     with torch.inference_mode():
         t_fla, (o_fla, s_fla), _ = timed(fla_run, repeats=args.repeats, warmup=3, sync=sync)
@@ -200,7 +205,7 @@ def cuda_bench(args) -> dict:
     errs = {"out_vs_fla_triton": rel_rms(o, o_fla), "state_vs_fla_triton": rel_rms(s, s_fla)}
     return {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "T": T, "K": K, "V": V,
-        "dtype": "bfloat16", "ours_ms": round(t_ours * 1e3, 2), "fla_triton_ms": round(t_fla * 1e3, 2),
+        "dtype": "bfloat16", "chunk_size": args.chunk_size, "ours_ms": round(t_ours * 1e3, 2), "fla_triton_ms": round(t_fla * 1e3, 2),
         "cuda_ratio_to_fla_triton": round(t_ours / t_fla, 2), "peak_mem_mb": round(peak, 1),
         "rel_rms_errors": {key: float(f"{val:.3g}") for key, val in errs.items()},
         "max_rel_err": float(f"{max(errs.values()):.3g}"), "tolerance": FLA_TOL,
@@ -217,6 +222,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours (cuda)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: the device default)")
     parser.add_argument("--mem-T", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--_mem-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,6 +230,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
+    global CHUNK_SIZE
+    CHUNK_SIZE = args.chunk_size
     if args._mem_child is not None:
         peak_mem_child(args._mem_child, 1, 8, 128, 128)
         return
