@@ -92,10 +92,14 @@ FLA_CLASS_METHODS: dict[str, dict[str, Callable]] = {
 # transformers' native Kimi-Linear kernel entry points -> adapters to our kernels
 def tf_chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                   output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-    """transformers' ``chunk_kimi_delta_attention`` contract ([B, T, H, D] in, ``(o, state | None)`` out)."""
+    """transformers' ``chunk_kimi_delta_attention`` contract ([B, T, H, D] in, ``(o, state | None)`` out).
+
+    ``chunk_size`` is transformers' own tiling (always 64); ours picks its chunk per device (the result does not
+    depend on it), so it is not passed on."""
+    del chunk_size
     return kda.chunk_kda(query, key, value, g, beta, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+                         cu_seqlens=cu_seqlens)
 
 
 def tf_recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state=None, output_final_state=False,
