@@ -239,9 +239,10 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
     Recursive halving, bottom-up over block sizes s = 2, 4, .., C: the lower-left quadrant of each s x s diagonal
     block (rows i in its second half, columns j in its first) is ``(x_i P_i) @ (k_j R_j)^T``, P_i the product of
     the decays from the half's boundary up to i, R_j from j up to the boundary. Both are products of factors <= 1
-    (nothing overflows, whatever the gates), and going to the next level only multiplies half of the rows by one
-    boundary row of P (a Sklansky prefix-product scan), so the scaled rows x P and k R are carried along instead of
-    P and R. The quadrants tile the strict lower triangle; the diagonal of Aqk is q_i . k_i.
+    (nothing overflows, whatever the gates). Going to the next level multiplies the second half of each block by the
+    first half's total decay (P) and the first half by the second half's (R), a Sklansky prefix-product scan, so the
+    scaled rows x P and k R are carried along; only the blocks' total decays are kept besides. The quadrants tile the
+    strict lower triangle; the diagonal of Aqk is q_i . k_i.
 
     Returns A [.., C, 2, C] (A[.., i, 0, :] row i of Aqk, A[.., i, 1, :] of Akk), Y = X P [.., C, 2, K] (decay from
     the chunk start), Z = k R [.., C, K] (decay to the chunk end) and the chunk's total decay [.., 1, K].
@@ -249,24 +250,24 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
     *lead, C, _, K = X.shape
     A = X.new_zeros(*lead, C, 2, C)
     A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))  # (vecdot: a GEMV on CUDA)
-    P, Y, Z = D, X * D.unsqueeze(-2), X[..., 1, :]
+    blk, Y, Z = D, X * D.unsqueeze(-2), X[..., 1, :]  # blk: total decay of each block of the current size
     s = 2
     while s <= C:
         h, nb = s // 2, C // s
-        Yb, Zb, Pb = Y.view(*lead, nb, 2, h, 2, K), Z.reshape(*lead, nb, 2, h, K), P.view(*lead, nb, 2, h, K)
+        Yb, Zb = Y.view(*lead, nb, 2, h, 2, K), Z.reshape(*lead, nb, 2, h, K)
         quad = _matmul_nt(Yb[..., 1, :, :, :].reshape(*lead, nb, 2 * h, K), Zb[..., 0, :, :])  # [.., nb, 2h, h]
         blocks = A.view(*lead, nb, s, 2, nb, s).diagonal(dim1=-5, dim2=-2)  # [.., s, 2, s, nb]
         blocks[..., h:, :, :h, :] = quad.view(*lead, nb, h, 2, h).movedim(-4, -1)
-        # to block size s: second halves times the first half's last P row, first halves of Z times the last P row
+        # to block size s: second halves of Y times the first half's total decay, first halves of Z times the second's
+        halves = blk.view(*lead, nb, 2, 1, K)
         if not inplace:  # (autograd keeps the old values)
-            P, Y = P.clone(), Y.clone()
+            Y = Y.clone()
         Z = Z.clone() if s == 2 or not inplace else Z  # the first Z is q/k's storage
-        Yn, Zn, Pn = Y.view(*lead, nb, 2, h, 2, K), Z.view(*lead, nb, 2, h, K), P.view(*lead, nb, 2, h, K)
-        Zn[..., 0, :, :] *= Pb[..., 1, -1:, :]
-        Yn[..., 1, :, :, :] *= Pb[..., 0, -1:, :].unsqueeze(-2)
-        Pn[..., 1, :, :] *= Pb[..., 0, -1:, :]
+        Y.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :] *= halves[..., 0, :, :].unsqueeze(-2)
+        Z.view(*lead, nb, 2, h, K)[..., 0, :, :] *= halves[..., 1, :, :]
+        blk = halves[..., 0, 0, :] * halves[..., 1, 0, :]
         s *= 2
-    return A, Y, Z, P[..., -1:, :]
+    return A, Y, Z, blk
 
 
 def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
