@@ -88,11 +88,8 @@ def timed_interleaved(fns, repeats: int) -> list[tuple[float, object, float]]:
     return [(t, r, c) for (t, c), r in zip(best, results)]
 
 
-CHUNK_SIZE = None  # --chunk-size; None: the kernel's default for the device
-
-
-def ours(q, k, v, g, beta):
-    return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK_SIZE)
+def ours(q, k, v, g, beta, chunk_size=None):  # chunk_size None: the kernel's default for the device
+    return chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
 
 
 def _proc_status_kb(field: str) -> int:
@@ -102,17 +99,17 @@ def _proc_status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def peak_mem_child(T: int, B: int, H: int, K: int, V: int) -> None:
+def peak_mem_child(T: int, B: int, H: int, K: int, V: int, chunk_size: int | None) -> None:
     """Run ours once at length T; print the peak-RSS growth (MB) over the resident inputs (Linux, glibc: freed heap
     is trimmed and the high-water mark reset through /proc/self/clear_refs before the run)."""
     (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
     with torch.inference_mode():
-        ours(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])  # first-call allocations
+        ours(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], chunk_size)  # first-call allocations
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so reused free memory cannot hide growth
     Path("/proc/self/clear_refs").write_text("5")
     base = _proc_status_kb("VmRSS")
     with torch.inference_mode():
-        ours(q, k, v, g, beta)
+        ours(q, k, v, g, beta, chunk_size)
     peak = _proc_status_kb("VmHWM")
     print(json.dumps({"T": T, "peak_mem_mb": round((peak - base) / 1024, 1)}))
 
@@ -129,13 +126,13 @@ def cpu_bench(args) -> dict:
     with torch.inference_mode():
         qn, kn = l2norm(q), l2norm(k)
         (t_ours, (o, s), c_ours), (t_naive, (o_naive, s_naive), c_naive) = timed_interleaved(
-            [lambda: ours(q, k, v, g, beta),
+            [lambda: ours(q, k, v, g, beta, args.chunk_size),
              lambda: naive_recurrent_kda(qn, kn, v, g, beta, output_final_state=True)], repeats=args.repeats)
         Tf = min(args.fallback_T, T)
         t_ours_f, c_ours_f = t_ours, c_ours
         if Tf != T:
-            t_ours_f, _, c_ours_f = timed(lambda: ours(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf]),
-                                          repeats=args.repeats, warmup=1)
+            cut = [x[:, :Tf] for x in (q, k, v, g, beta)]
+            t_ours_f, _, c_ours_f = timed(lambda: ours(*cut, args.chunk_size), repeats=args.repeats, warmup=1)
         t_fb, (o_fb, s_fb), c_fb = timed(
             lambda: tf_fallback(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf], output_final_state=True,
                                 use_qk_l2norm_in_kernel=True), repeats=1, warmup=0)
@@ -230,10 +227,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
-    global CHUNK_SIZE
-    CHUNK_SIZE = args.chunk_size
     if args._mem_child is not None:
-        peak_mem_child(args._mem_child, 1, 8, 128, 128)
+        peak_mem_child(args._mem_child, 1, 8, 128, 128, args.chunk_size)
         return
     res = cuda_bench(args) if args.device == "cuda" else cpu_bench(args)
     res.update({"host": platform.node(), "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)})
