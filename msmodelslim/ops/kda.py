@@ -223,11 +223,10 @@ def _recurrent_core(q, k, v, g, beta, h0, scale, qk_l2norm):
 
 
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b^T for a [.., m, d], b [.., n, d]; for tiny blocks on CPUs a contiguous multiply-sum beats a batch of tiny
-    GEMMs (accelerators batch them well)."""
-    if a.shape[-2] >= 8 or a.device.type != "cpu":
-        return a @ b.transpose(-1, -2)
-    return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1)
+    """a @ b^T for a [.., m, d], b [.., n, d]; on CPUs a batch of one-column GEMMs is slower than a multiply-sum."""
+    if b.shape[-2] == 1 and a.device.type == "cpu":
+        return (a * b).sum(-1, keepdim=True)
+    return a @ b.transpose(-1, -2)
 
 
 def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
@@ -250,7 +249,9 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
     *lead, C, _, K = X.shape
     A = X.new_zeros(*lead, C, 2, C)
     A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))  # (vecdot: a GEMV on CUDA)
-    blk, Y, Z = D, X * D.unsqueeze(-2), X[..., 1, :]  # blk: total decay of each block of the current size
+    Z = X[..., 1, :].clone()
+    blk, Y = D, (X.mul_(D.unsqueeze(-2)) if inplace else X * D.unsqueeze(-2))  # blk: total decay of each block of
+    # the current size; X (the caller's buffer) becomes Y when autograd is not recording
     s = 2
     while s <= C:
         h, nb = s // 2, C // s
@@ -261,8 +262,7 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
         # to block size s: second halves of Y times the first half's total decay, first halves of Z times the second's
         halves = blk.view(*lead, nb, 2, 1, K)
         if not inplace:  # (autograd keeps the old values)
-            Y = Y.clone()
-        Z = Z.clone() if s == 2 or not inplace else Z  # the first Z is q/k's storage
+            Y, Z = Y.clone(), Z.clone()
         Y.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :] *= halves[..., 0, :, :].unsqueeze(-2)
         Z.view(*lead, nb, 2, h, K)[..., 0, :, :] *= halves[..., 1, :, :]
         blk = halves[..., 0, 0, :] * halves[..., 1, 0, :]
@@ -277,13 +277,18 @@ def _diag_blocks(A: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower-triangular L [.., C, C] (C a power of two), by recursive doubling:
-    inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] over block sizes 2, 4, .., C (matmuls only, no
-    triangular-solve calls; the same arithmetic as blocked forward substitution).
+    """(I + L)^-1 for strictly lower-triangular L [.., C, C] (C a power of two).
+
+    On CPUs: the batched triangular solve against I (forward substitution; one library call, several times faster
+    than many small ops). On accelerators: recursive doubling, inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1,
+    D^-1]] over block sizes 2, 4, .., C (matmuls only; the same arithmetic as blocked forward substitution).
 
     (Not the shorter Neumann product prod_m (I + (-L)^(2^m)): with nearly parallel keys its powers of L grow large
     and cancel; see test_chunk_stays_accurate_with_correlated_keys_and_slow_decay.)"""
     C = L.shape[-1]
+    if L.device.type == "cpu":  # (unitriangular: the zero diagonal of L is not read)
+        eye = torch.eye(C, dtype=L.dtype, device=L.device)
+        return torch.linalg.solve_triangular(L, eye.expand(L.shape), upper=False, unitriangular=True)
     grad = torch.is_grad_enabled() and L.requires_grad
     inv = torch.zeros_like(L)
     inv.diagonal(dim1=-2, dim2=-1).fill_(1.0)
@@ -350,9 +355,9 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
     Tb = _unit_lower_inverse(Akk * b) * b.transpose(-1, -2)  # T diag(beta)
     W, U = Tb @ kP, Tb @ v
     if inplace:
-        o_grp, v_news = torch.empty_like(U), torch.empty_like(U)
+        o_grp, v_news = torch.empty_like(U), U
         for i in range(n):
-            torch.baddbmm(U[i], W[i], S, alpha=-1, out=v_news[i])  # U - W S
+            v_news[i].baddbmm_(W[i], S, alpha=-1)  # U - W S
             torch.bmm(qP[i], S, out=o_grp[i])
             S = S.mul_(decay[i]).baddbmm_(kR_t[i], v_news[i])
     else:
@@ -362,8 +367,10 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
             outs.append(qP[i] @ S)
             S = torch.baddbmm(S * decay[i], kR_t[i], news[-1])
         o_grp, v_news = torch.stack(outs), torch.stack(news)
-    o_grp = torch.baddbmm(o_grp.flatten(0, 1), Aqk.flatten(0, 1), v_news.flatten(0, 1))  # + Aqk v_new, all chunks at once
-    return o_grp.view(n, BH, C, V), S
+    o_flat = o_grp.flatten(0, 1)
+    o_flat = o_flat.baddbmm_(Aqk.flatten(0, 1), v_news.flatten(0, 1)) if inplace else torch.baddbmm(
+        o_flat, Aqk.flatten(0, 1), v_news.flatten(0, 1))  # + Aqk v_new, all chunks at once
+    return o_flat.view(n, BH, C, V), S
 
 
 def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
