@@ -12,11 +12,14 @@ prod_{j<t<=i} exp(g_t) for i >= j, and Kimi's gates (per-step log-decay down to 
 factorisation exp(Gamma_i) exp(-Gamma_j) of a cumsum Gamma overflow. Here every factor is a product of per-step
 decays exp(g_t) <= 1, built level by level by recursive halving (see ``_intra_chunk_scores``): nothing can
 overflow, and no [C, C, K] pairwise tensor is built, so memory is O(T). The UT transform's unit-triangular inverse
-is built by recursive doubling as well. Chunks are processed in cache-sized groups; only three
-matmul-sized ops per chunk are sequential.
+is one batched triangular solve on CPUs and recursive doubling (matmuls only) on accelerators. Chunks are processed
+in cache-sized groups; only three matmul-sized ops per chunk are sequential. With 16-bit inputs on accelerators the
+fp32 matmuls may use TF32/HF32 tensor cores (see ``_tensor_core_fp32_matmuls``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -223,9 +226,10 @@ def _recurrent_core(q, k, v, g, beta, h0, scale, qk_l2norm):
 
 
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b^T for a [.., m, d], b [.., n, d]; on CPUs a batch of one-column GEMMs is slower than a multiply-sum."""
-    if b.shape[-2] == 1 and a.device.type == "cpu":
-        return (a * b).sum(-1, keepdim=True)
+    """a @ b^T for a [.., m, d], b [.., n, d]; a batch of GEMMs with tiny right-hand blocks (n * d <= 128: the
+    one-column products of the first halving level, the small blocks of the UT inverse) is slower than a multiply-sum."""
+    if b.shape[-2] * b.shape[-1] <= 128:
+        return (a.unsqueeze(-2) * b.unsqueeze(-3)).sum(-1)
     return a @ b.transpose(-1, -2)
 
 
@@ -292,7 +296,8 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and L.requires_grad
     inv = torch.zeros_like(L)
     inv.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    s = 2
+    inv.diagonal(-1, -2, -1)[..., ::2] = -L.diagonal(-1, -2, -1)[..., ::2]  # the 2 x 2 blocks: [[1, 0], [-l, 1]]
+    s = 4
     while s <= C:
         h = s // 2
         blocks = _diag_blocks(inv, s)  # [.., s, s, C/s]
@@ -373,6 +378,28 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
     return o_flat.view(n, BH, C, V), S
 
 
+@contextlib.contextmanager
+def _tensor_core_fp32_matmuls(device: torch.device, enabled: bool):
+    """Let fp32 matmuls use TF32 (CUDA) / HF32 (Ascend) tensor cores while the kernel runs. Used for 16-bit inputs:
+    the reduced format keeps 10 mantissa bits, more than bf16's 7, and the products of 16-bit inputs are exact in it."""
+    if device.type == "cuda":
+        flags = torch.backends.cuda.matmul
+        name, value = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)
+    elif device.type == "npu":
+        flags, name, value = torch.npu.matmul, "allow_hf32", True
+    else:
+        enabled = False
+    if not enabled:
+        yield
+        return
+    old = getattr(flags, name)
+    setattr(flags, name, value)
+    try:
+        yield
+    finally:
+        setattr(flags, name, old)
+
+
 def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
     """q, k [B, T, H, K]; v [B, T, H, V]; g (log-decay, <= 0), beta: fp32 [B, T, H, K] / [B, T, H]; h0 [B, H, K, V]
     or None. Walks groups of chunks sized to stay in cache on CPUs (few, large launches on accelerators)."""
@@ -442,7 +469,8 @@ def chunk_kda(
                   kwargs.get("dt_bias"))
 
     def core(*a):
-        return _chunk_core(*a, chunk_size=chunk_size)
+        with _tensor_core_fp32_matmuls(q.device, q.dtype in (torch.bfloat16, torch.float16)):
+            return _chunk_core(*a, chunk_size=chunk_size)
 
     return _run(core, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, initial_state, output_final_state,
                 cu_seqlens, state_v_first, gate_flags)
