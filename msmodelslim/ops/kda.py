@@ -316,9 +316,11 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
     state at its start. Returns (o [n, BH, C, V], S at its end).
 
     Per chunk with state S at its start, P = decay from the chunk start, R = decay to the chunk end:
-        W = T (beta k P),  U = T (beta v)  with  T = (I + strict(beta Akk))^-1     (UT transform)
-        v_new = U - W S;  o = (q P) S + Aqk v_new;  S <- P_last S + (k R)^T v_new
-    All but v_new, (q P) S and the state update are computed for the n chunks at once, and Aqk v_new after the walk.
+        v_new = T diag(beta) (v - (k P) S)  with  T = (I + strict(beta Akk))^-1     (UT transform)
+        o = (q P) S + Aqk v_new;  S <- P_last S + (k R)^T v_new
+    The scores, decayed rows and T are computed for the n chunks at once; the walk is five small matmuls per chunk
+    (T diag(beta) applied in the walk, not as W = T diag(beta) k P, U = T diag(beta) v beforehand: the same
+    arithmetic on cache-hot blocks).
     """
     B, tg, H, K = q.shape
     V = v.shape[-1]
@@ -358,24 +360,20 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
     Aqk, Akk, qP, kP = A[..., 0, :], A[..., 1, :], Y[..., 0, :], Y[..., 1, :]
     kR_t, decay = Z.transpose(-1, -2), decay.transpose(-1, -2)  # [n, BH, K, C], [n, BH, K, 1]
     Tb = _unit_lower_inverse(Akk * b) * b.transpose(-1, -2)  # T diag(beta)
-    W, U = Tb @ kP, Tb @ v
     if inplace:
-        o_grp, v_news = torch.empty_like(U), U
+        o_grp, v_new = torch.empty_like(v), torch.empty_like(v[0])
         for i in range(n):
-            v_news[i].baddbmm_(W[i], S, alpha=-1)  # U - W S
-            torch.bmm(qP[i], S, out=o_grp[i])
-            S = S.mul_(decay[i]).baddbmm_(kR_t[i], v_news[i])
+            torch.bmm(Tb[i], v[i].baddbmm_(kP[i], S, alpha=-1), out=v_new)
+            torch.bmm(qP[i], S, out=o_grp[i]).baddbmm_(Aqk[i], v_new)
+            S = S.mul_(decay[i]).baddbmm_(kR_t[i], v_new)
     else:
-        outs, news = [], []
+        outs = []
         for i in range(n):
-            news.append(torch.baddbmm(U[i], W[i], S, alpha=-1))
-            outs.append(qP[i] @ S)
-            S = torch.baddbmm(S * decay[i], kR_t[i], news[-1])
-        o_grp, v_news = torch.stack(outs), torch.stack(news)
-    o_flat = o_grp.flatten(0, 1)
-    o_flat = o_flat.baddbmm_(Aqk.flatten(0, 1), v_news.flatten(0, 1)) if inplace else torch.baddbmm(
-        o_flat, Aqk.flatten(0, 1), v_news.flatten(0, 1))  # + Aqk v_new, all chunks at once
-    return o_flat.view(n, BH, C, V), S
+            v_new = Tb[i] @ torch.baddbmm(v[i], kP[i], S, alpha=-1)
+            outs.append(torch.baddbmm(qP[i] @ S, Aqk[i], v_new))
+            S = torch.baddbmm(S * decay[i], kR_t[i], v_new)
+        o_grp = torch.stack(outs)
+    return o_grp, S
 
 
 @contextlib.contextmanager
