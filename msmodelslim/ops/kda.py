@@ -337,8 +337,8 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
 
     qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
     if qk_l2norm:  # fla's l2norm, x / sqrt(sum x^2 + eps), with the q scale folded into the same multiply
-        rq, rk = ((torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=f32).square() + 1e-6).rsqrt()
-                  for x in (qc, kc))
+        rq, rk = (chunked((torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=f32).square() + 1e-6).rsqrt())
+                  for x in (q, k))  # (norms over the [B, T, H, K] slice: 2.5x faster than over the chunked view)
         rq = rq * scale
     else:  # (one-element tensors, not scalars: they make the multiply run in fp32 for bf16 inputs)
         rq, rk = (torch.full((1,), c, dtype=f32, device=q.device) for c in (scale, 1.0))
