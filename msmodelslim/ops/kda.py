@@ -20,6 +20,7 @@ fp32 matmuls may use TF32/HF32 tensor cores (see ``_tensor_core_fp32_matmuls``).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -233,7 +234,7 @@ def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
-def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
+def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, bufs: _Workspace | None):
     """Intra-chunk scores and the decayed q and k, from per-step decays alone (no exponent of a cumsum).
 
     X [.., C, 2, K]: q and k rows interleaved; D [.., C, K]: per-step decays d_t = exp(g_t) in (0, 1].
@@ -253,9 +254,10 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, inplace: bool):
     *lead, C, _, K = X.shape
     A = X.new_zeros(*lead, C, 2, C)
     A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))  # (vecdot: a GEMV on CUDA)
-    Z = X[..., 1, :].clone()
+    inplace = bufs is not None
+    Z = bufs.get("Z", X[..., 1, :].shape).copy_(X[..., 1, :]) if inplace else X[..., 1, :].clone()
     blk, Y = D, (X.mul_(D.unsqueeze(-2)) if inplace else X * D.unsqueeze(-2))  # blk: total decay of each block of
-    # the current size; X (the caller's buffer) becomes Y when autograd is not recording
+    # the current size; X (the caller's buffer) becomes Y on the in-place path
     s = 2
     while s <= C:
         h, nb = s // 2, C // s
@@ -311,9 +313,27 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
+class _Workspace:
+    """Float32 buffers reused by every group of chunks of one call (the in-place path: autograd not recording). A
+    fresh multi-MB tensor per group faults its pages in again each time where the allocator hands large freed blocks
+    back to the OS (glibc maps blocks over M_MMAP_THRESHOLD on their own; the layer-wise runner pins that at 1 MiB):
+    that made the kernel 1.6x slower in a run."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buffers = device, {}
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return buf[:numel].view(shape)
+
+
+def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, bufs: _Workspace | None):
     """One group of n consecutive chunks: q, k, v, g, beta are its time slice [B, <= n*C, H, *]; S [BH, K, V] the
-    state at its start. Returns (o [n, BH, C, V], S at its end).
+    state at its start; ``bufs`` None when autograd records (then nothing is written in place). Returns
+    (o [n, BH, C, V], S at its end).
 
     Per chunk with state S at its start, P = decay from the chunk start, R = decay to the chunk end:
         v_new = T diag(beta) (v - (k P) S)  with  T = (I + strict(beta Akk))^-1     (UT transform)
@@ -332,8 +352,8 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
         return x.unflatten(1, (n, C)).permute(1, 0, 3, 2, 4)
 
-    def new(*shape):
-        return torch.empty(n, B, H, C, *shape, dtype=f32, device=q.device)
+    def new(name, *shape):
+        return bufs.get(name, (n, B, H, C, *shape))
 
     qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
     if qk_l2norm:  # fla's l2norm, x / sqrt(sum x^2 + eps), with the q scale folded into the same multiply
@@ -342,12 +362,12 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
         rq = rq * scale
     else:  # (one-element tensors, not scalars: they make the multiply run in fp32 for bf16 inputs)
         rq, rk = (torch.full((1,), c, dtype=f32, device=q.device) for c in (scale, 1.0))
-    if inplace:  # straight into cache-resident chunk-major buffers
-        X = new(2, K)
+    if bufs is not None:  # straight into cache-resident chunk-major buffers
+        X = new("X", 2, K)
         torch.mul(qc, rq, out=X[..., 0, :])
         torch.mul(kc, rk, out=X[..., 1, :])
-        D = torch.mul(gc, LOG2E, out=new(K)).exp2_()  # (exp2 is ~4x cheaper than exp on CPUs)
-        v = new(V).copy_(vc)
+        D = torch.mul(gc, LOG2E, out=new("D", K)).exp2_()  # (exp2 is ~4x cheaper than exp on CPUs)
+        v = new("v", V).copy_(vc)
     else:
         X = torch.stack([qc * rq, kc * rk], dim=-2).contiguous()
         D = (gc * LOG2E).exp2().contiguous()
@@ -356,12 +376,12 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, inplace):
     X, D, v = X.view(n, BH, C, 2, K), D.view(n, BH, C, K), v.view(n, BH, C, V)
     b = chunked(beta.unsqueeze(-1)).reshape(n, BH, C, 1).float()
 
-    A, Y, Z, decay = _intra_chunk_scores(X, D, inplace)
+    A, Y, Z, decay = _intra_chunk_scores(X, D, bufs)
     Aqk, Akk, qP, kP = A[..., 0, :], A[..., 1, :], Y[..., 0, :], Y[..., 1, :]
     kR_t, decay = Z.transpose(-1, -2), decay.transpose(-1, -2)  # [n, BH, K, C], [n, BH, K, 1]
     Tb = _unit_lower_inverse(Akk * b) * b.transpose(-1, -2)  # T diag(beta)
-    if inplace:
-        o_grp, v_new = torch.empty_like(v), torch.empty_like(v[0])
+    if bufs is not None:
+        o_grp, v_new = bufs.get("o", v.shape), torch.empty_like(v[0])
         for i in range(n):
             torch.bmm(Tb[i], v[i].baddbmm_(kP[i], S, alpha=-1), out=v_new)
             torch.bmm(qP[i], S, out=o_grp[i]).baddbmm_(Aqk[i], v_new)
@@ -406,8 +426,8 @@ def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
     C = chunk_size
     N = -(-T // C)
     BH = B * H
-    inplace = not (torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)))
+    records = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0))
+    bufs = None if records else _Workspace(q.device)
     budget = GROUP_BUDGET if q.device.type == "cpu" else GROUP_BUDGET_ACCEL
     group = max(1, budget // (BH * C * K))
     S = h0.reshape(BH, K, V).clone() if h0 is not None else q.new_zeros(BH, K, V, dtype=torch.float32)
@@ -416,7 +436,7 @@ def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
         n = min(group, N - n0)
         t0, t1 = n0 * C, min((n0 + n) * C, T)
         o_grp, S = _chunk_group(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], S, n, C, scale,
-                            qk_l2norm, inplace)
+                            qk_l2norm, bufs)
         o[:, t0 : t0 + n * C].unflatten(1, (n, C)).permute(1, 0, 3, 2, 4).copy_(o_grp.unflatten(1, (B, H)))
     return o[:, :T], S.reshape(B, H, K, V)
 
