@@ -18,6 +18,7 @@ import torch
 from fla.ops.kda.gate import naive_kda_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 
+from msmodelslim.ops import kda
 from msmodelslim.ops.kda import (
     chunk_kda,
     fused_kda_gate,
@@ -85,6 +86,37 @@ def test_chunk_stays_accurate_with_correlated_keys_and_slow_decay(chunk_size):
     ref_o, ref_s = naive_recurrent_kda_fp64(l2norm(q), l2norm(k), v, g, beta)
     o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
     assert rel(o, ref_o) < 1e-5 and rel(s, ref_s) < 1e-5
+
+
+def test_chunk_result_does_not_depend_on_the_grouping(monkeypatch):
+    """Chunks run in groups that share one set of buffers and hand the state on; four groups of at most 3 chunks (the
+    last one shorter, padded) give what one group of all 10 chunks gives."""
+    q, k, v, raw, A_log, dt_bias, beta, h0 = kimi_inputs(T=150)
+    g = kda_gate(raw, A_log, dt_bias)
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    with torch.inference_mode():
+        o_one, s_one = chunk_kda(q, k, v, g, beta, **kwargs)
+        B, _, H, K = q.shape
+        monkeypatch.setattr(kda, "GROUP_BUDGET", 3 * B * H * 16 * K)
+        o_grouped, s_grouped = chunk_kda(q, k, v, g, beta, **kwargs)
+    assert rel(o_grouped, o_one) < FP32_CHUNK_TOL and rel(s_grouped, s_one) < FP32_CHUNK_TOL
+
+
+def test_tensor_core_matmuls_are_scoped_to_accelerators():
+    """TF32 for the kernel's fp32 matmuls is switched on only for the call on CUDA (16-bit inputs) and restored after,
+    also on errors; CPUs are left alone."""
+    flags = torch.backends.cuda.matmul
+    name, on = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)
+    before = getattr(flags, name)
+    with kda._tensor_core_fp32_matmuls(torch.device("cuda"), True):
+        assert getattr(flags, name) == on
+    assert getattr(flags, name) == before
+    with pytest.raises(ValueError), kda._tensor_core_fp32_matmuls(torch.device("cuda"), True):
+        raise ValueError("inside the kernel")
+    assert getattr(flags, name) == before
+    for device, enabled in ((torch.device("cuda"), False), (torch.device("cpu"), True)):
+        with kda._tensor_core_fp32_matmuls(device, enabled):
+            assert getattr(flags, name) == before
 
 
 def test_recurrent_matches_fla_naive_and_float64():
