@@ -13,8 +13,9 @@ factorisation exp(Gamma_i) exp(-Gamma_j) of a cumsum Gamma overflow. Here every 
 decays exp(g_t) <= 1, built level by level by recursive halving (see ``_intra_chunk_scores``): nothing can
 overflow, and no [C, C, K] pairwise tensor is built, so memory is O(T). The UT transform's unit-triangular inverse
 is one batched triangular solve on CPUs and recursive doubling (matmuls only) on accelerators. Chunks are processed
-in cache-sized groups; only three matmul-sized ops per chunk are sequential. With 16-bit inputs on accelerators the
-fp32 matmuls may use TF32/HF32 tensor cores (see ``_tensor_core_fp32_matmuls``).
+in cache-sized groups that reuse one set of buffers; per chunk only five small matmuls and a scaling are sequential
+(the walk). With 16-bit inputs on accelerators the fp32 matmuls may use TF32/HF32 tensor cores (see
+``_tensor_core_fp32_matmuls``).
 """
 
 from __future__ import annotations
