@@ -258,7 +258,7 @@ def _intra_chunk_scores(X: torch.Tensor, D: torch.Tensor, bufs: _Workspace | Non
     A = X.new_zeros(*lead, C, 2, C)
     A[..., 0, :].diagonal(dim1=-2, dim2=-1).copy_((X[..., 0, :] * X[..., 1, :]).sum(-1))  # (vecdot: a GEMV on CUDA)
     inplace = bufs is not None
-    Z = bufs.get("Z", X[..., 1, :].shape).copy_(X[..., 1, :]) if inplace else X[..., 1, :].clone()
+    Z = bufs.get("Z", X[..., 1, :].shape).copy_(X[..., 1, :]) if inplace else X[..., 1, :]  # (else cloned below)
     blk, Y = D, (X.mul_(D.unsqueeze(-2)) if inplace else X * D.unsqueeze(-2))  # blk: total decay of each block of
     # the current size; X (the caller's buffer) becomes Y on the in-place path
     s = 2
