@@ -19,6 +19,7 @@ import ctypes
 import inspect
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -168,6 +169,44 @@ def cpu_bench(args) -> dict:
     return res
 
 
+MATMUL_OPS = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::mm", "aten::addmm", "aten::matmul",
+              "aten::linalg_solve_triangular"}
+
+
+def cuda_time_split(run, sync) -> dict:
+    """Where our CUDA time goes: matmuls vs the rest (elementwise passes, copies, reductions), from one profiled
+    call. For the rest it also counts the elements written (the largest operand of each op) and sets them against
+    the rate of a plain contiguous fp32 multiply on the same GPU: ``elementwise_floor_ms`` is the time those passes
+    would take even at that rate, i.e. the bound of an unfused (one kernel per op) implementation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                                         record_shapes=True) as prof:
+        run()
+        sync()
+    matmul_us = rest_us = rest_elems = 0.0
+    launches = 0
+    for ev in prof.key_averages(group_by_input_shape=True):
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if not ev.key.startswith("aten::") or us <= 0:
+            continue
+        launches += ev.count
+        if ev.key in MATMUL_OPS:
+            matmul_us += us
+        else:
+            rest_us += us
+            rest_elems += ev.count * max((math.prod(shape) for shape in ev.input_shapes if shape), default=0)
+    x, y = torch.rand(2, 1 << 27, device="cuda").unbind()
+    z = torch.empty_like(x)
+    t_mul, _, _ = timed(lambda: torch.mul(x, y, out=z), repeats=10, warmup=3, sync=sync)
+    rate = x.numel() / t_mul
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+    return {"matmul_ms": round(matmul_us / 1e3, 2), "other_ms": round(rest_us / 1e3, 2), "aten_ops": launches,
+            "other_gelems": round(rest_elems / 1e9, 2), "other_gelem_per_s": round(rest_elems / rest_us / 1e3, 1),
+            "contiguous_mul_gelem_per_s": round(rate / 1e9, 1),
+            "elementwise_floor_ms": round(rest_elems / rate * 1e3, 2)}
+
+
 def cuda_bench(args) -> dict:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -192,13 +231,7 @@ def cuda_bench(args) -> dict:
         base = torch.cuda.memory_allocated()
         t_ours, (o, s), _ = timed(ours_run, repeats=args.repeats, warmup=2, sync=sync)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    if args.profile:  # where our time goes, per kernel (printed before the JSON line)
-        from torch.profiler import ProfilerActivity, profile
-
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ours_run()
-            sync()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), file=sys.stderr)
+    profile = cuda_time_split(ours_run, sync) if args.profile else None
     errs = {"out_vs_fla_triton": rel_rms(o, o_fla), "state_vs_fla_triton": rel_rms(s, s_fla)}
     return {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "T": T, "K": K, "V": V,
@@ -207,6 +240,7 @@ def cuda_bench(args) -> dict:
         "rel_rms_errors": {key: float(f"{val:.3g}") for key, val in errs.items()},
         "max_rel_err": float(f"{max(errs.values()):.3g}"), "tolerance": FLA_TOL,
         "within_tolerance": max(errs.values()) <= FLA_TOL,
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -217,7 +251,8 @@ def main() -> None:
     parser.add_argument("--fallback-T", type=int, default=4096,
                         help="sequence length for transformers' fallback (it materialises [B,H,N,64,64,K])")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours (cuda)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cuda: split our time into matmuls and other ops, with the floor of the unfused passes")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: the device default)")
     parser.add_argument("--mem-T", type=int, nargs="*", default=[1024, 2048, 4096, 8192])

@@ -369,7 +369,10 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, bufs: _Workspace |
         X = new("X", 2, K)
         torch.mul(qc, rq, out=X[..., 0, :])
         torch.mul(kc, rk, out=X[..., 1, :])
-        D = torch.mul(gc, LOG2E, out=new("D", K)).exp2_()  # (exp2 is ~4x cheaper than exp on CPUs)
+        if q.device.type == "cpu":  # (exp2 is ~4x cheaper than exp on CPUs)
+            D = torch.mul(gc, LOG2E, out=new("D", K)).exp2_()
+        else:  # (on accelerators the extra pass costs more than exp: 0.49 vs 0.71 ms on an H200)
+            D = torch.exp(gc, out=new("D", K))
         v = new("v", V).copy_(vc)
     else:
         X = torch.stack([qc * rq, kc * rk], dim=-2).contiguous()
@@ -434,7 +437,7 @@ def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
     budget = GROUP_BUDGET if q.device.type == "cpu" else GROUP_BUDGET_ACCEL
     group = max(1, budget // (BH * C * K))
     S = h0.reshape(BH, K, V).clone() if h0 is not None else q.new_zeros(BH, K, V, dtype=torch.float32)
-    o = q.new_empty(B, N * C, H, V, dtype=torch.float32)
+    o = q.new_empty(B, N * C, H, V)  # in the inputs' dtype: the copy out of each group rounds (no extra pass)
     for n0 in range(0, N, group):
         n = min(group, N - n0)
         t0, t1 = n0 * C, min((n0 + n) * C, T)

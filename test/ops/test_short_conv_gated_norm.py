@@ -3,7 +3,8 @@
 Short conv reference: ``torch.nn.functional.conv1d`` (depthwise, left padding W-1) + SiLU, in float64.
 Gated RMSNorm reference: the float64 formula ``x / sqrt(mean(x^2) + eps) * weight * sigmoid(g)``.
 Tolerances: fp32 vs float64 references 1e-5 absolute on O(1) values; decode / varlen / chunked-prefill paths must
-equal the one-shot prefill to 1e-6 (same fp32 arithmetic, different order of calls).
+equal the one-shot prefill to 1e-6 absolute plus 1e-6 relative (the same fp32 arithmetic summed in another order is a
+few ulps off: an absolute 1e-6 alone failed for 6 of 300 random draws, where outputs reach ~8).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_decode_steps_equal_prefill():
         yt, cache2 = causal_conv1d_update(x[:, t], cache, weight=w, activation="silu")
         assert cache2 is cache  # updated in place, as fla's
         outs.append(yt.unsqueeze(1))
-    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cache, x[:, -4:].transpose(1, 2))
 
 
@@ -49,7 +50,7 @@ def test_prefill_with_state_continues_and_short_sequences_keep_history():
     ref, ref_state = causal_conv1d(x, w, activation="silu", output_final_state=True)
     y1, s1 = causal_conv1d(x[:, :2], w, activation="silu", output_final_state=True)  # shorter than W
     y2, s2 = causal_conv1d(x[:, 2:], w, activation="silu", initial_state=s1, output_final_state=True)
-    torch.testing.assert_close(torch.cat([y1, y2], 1), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s2, ref_state)
 
 
@@ -63,7 +64,7 @@ def test_varlen_equals_separate_sequences():
     for n in range(len(lengths)):
         sl = slice(int(cu[n]), int(cu[n + 1]))
         yn, sn = causal_conv1d(x[:, sl], w, activation="silu", initial_state=h0[n : n + 1], output_final_state=True)
-        torch.testing.assert_close(y[:, sl], yn, rtol=0, atol=1e-6)
+        torch.testing.assert_close(y[:, sl], yn, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(s[n : n + 1], sn)
 
 
