@@ -185,12 +185,12 @@ def cuda_time_split(run, sync) -> dict:
         run()
         sync()
     matmul_us = rest_us = rest_elems = 0.0
-    launches = 0
+    ops = 0
     for ev in prof.key_averages(group_by_input_shape=True):
         us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
         if not ev.key.startswith("aten::") or us <= 0:
             continue
-        launches += ev.count
+        ops += ev.count
         if ev.key in MATMUL_OPS:
             matmul_us += us
         else:
@@ -201,7 +201,7 @@ def cuda_time_split(run, sync) -> dict:
     t_mul, _, _ = timed(lambda: torch.mul(x, y, out=z), repeats=10, warmup=3, sync=sync)
     rate = x.numel() / t_mul
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
-    return {"matmul_ms": round(matmul_us / 1e3, 2), "other_ms": round(rest_us / 1e3, 2), "aten_ops": launches,
+    return {"matmul_ms": round(matmul_us / 1e3, 2), "other_ms": round(rest_us / 1e3, 2), "aten_ops": ops,
             "other_gelems": round(rest_elems / 1e9, 2), "other_gelem_per_s": round(rest_elems / rest_us / 1e3, 1),
             "contiguous_mul_gelem_per_s": round(rate / 1e9, 1),
             "elementwise_floor_ms": round(rest_elems / rate * 1e3, 2)}
