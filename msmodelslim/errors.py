@@ -9,3 +9,11 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input from the user; the message names the offending file, key or value."""
+
+
+class Terminated(BaseException):
+    """SIGTERM received: unwinds like KeyboardInterrupt (cleanup runs), and the CLI exits 143."""
+
+    def __init__(self, signum: int = 15) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum

@@ -1,17 +1,25 @@
 """`msmodelslim quant`: validate the request, resolve adapter + practice, run the service, publish atomically.
 
 The output is built in `<save_path.parent>/.<save_path.name>.tmp-<pid>` and moved to `save_path` with one
-`os.rename` after the service succeeded and the chosen practice was written beside it; on any failure the
-temporary directory is removed, so a crash never leaves a complete-looking output.
+`os.rename` after the service succeeded and the chosen practice was written beside it; on any failure, SIGINT or
+SIGTERM the ranks are stopped and the temporary directory is removed, so a crash never leaves a complete-looking
+output. A lock file beside it (`.<save_path.name>.lock`, removed at the end) keeps a second run off the same
+`save_path`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +28,15 @@ from msmodelslim.app.practice import ChosenPractice, choose_practice
 from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
-from msmodelslim.errors import UserError
+from msmodelslim.errors import Terminated, UserError
 from msmodelslim.model.registry import ModelEntry, load_registry
 
 logger = logging.getLogger(__name__)
 
 DESCRIPTION_FILE = "quant_model_description.json"
+NAME_MAX = 255  # bytes in one path component (Linux, most file systems)
+_SUFFIX_ROOM = 40  # what the temporary and lock names add to the output's name
+FILE_MODE, DIR_MODE = 0o644, 0o755  # every file and folder of a published output
 
 
 @dataclass
@@ -98,6 +109,9 @@ def _check_save_path(model_path: Path, save_path: Path) -> None:
         raise UserError(f"--save_path {save_path} contains --model_path {model_path}; choose a separate directory")
     if save_path.is_symlink() or (save_path.exists() and not save_path.is_dir()):
         raise UserError(f"--save_path {save_path} exists and is not a directory")
+    if len(save_path.name.encode()) > NAME_MAX:
+        raise UserError(f"--save_path {save_path}: the name is {len(save_path.name.encode())} bytes; file systems "
+                        f"allow {NAME_MAX}")
     if save_path.is_dir() and any(save_path.iterdir()):
         raise UserError(
             f"--save_path {save_path} exists and is not empty; remove it or choose another directory "
@@ -154,6 +168,7 @@ def _plan(args: QuantArgs) -> _Plan:
             f"{device.world_size} devices of --device {args.device}"
         )
     adapter_cls = entry.load_adapter_class()
+    adapter_cls.check_config(config, model_path / "config.json", args.model_type)
     return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)
 
 
@@ -169,11 +184,14 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         trust_remote_code=args.trust_remote_code,
         model_type=args.model_type,
         records=plan.records,
+        orphan_cleanup=(_side_name(plan.save_path, "lock"),),
     )
     quant_service.run_service(request)
 
 
 def _publish(work_dir: Path, save_path: Path) -> None:
+    for path in [work_dir, *work_dir.rglob("*")]:  # one mode for every file, whatever wrote it
+        os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
     if save_path.is_dir():
         save_path.rmdir()  # empty (checked earlier); rename cannot replace a directory on every platform
     os.rename(work_dir, save_path)
@@ -181,6 +199,96 @@ def _publish(work_dir: Path, save_path: Path) -> None:
 
 def practice_file_name(model_type: str) -> str:
     return f"{model_type}_best_practice.yaml"
+
+
+def _side_name(save_path: Path, kind: str) -> Path:
+    """`.<name>.<kind>` beside the output; a long name is shortened (with a hash of it) to stay a valid name."""
+    name = save_path.name
+    if len(name.encode()) > NAME_MAX - _SUFFIX_ROOM:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+        name = name.encode()[: NAME_MAX - _SUFFIX_ROOM - 13].decode(errors="ignore") + "-" + digest
+    return save_path.parent / f".{name}.{kind}"
+
+
+@contextlib.contextmanager
+def _output_lock(save_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `save_path` for the whole run (a second run fails at once, not after hours)."""
+    path = _side_name(save_path, "lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise UserError(f"--save_path {save_path}: cannot write in {save_path.parent} ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise UserError(f"--save_path {save_path}: another msmodelslim run (pid {holder}) is writing it; "
+                            f"wait for it or choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def _check_free_space(model_path: Path, save_path: Path) -> None:
+    """Refuse a run whose output cannot fit: the bound is computed from the checkpoint's headers."""
+    from msmodelslim.formats.checkpoint import INDEX_NAME, SINGLE_NAME, open_checkpoint
+
+    if not ((model_path / INDEX_NAME).is_file() or (model_path / SINGLE_NAME).is_file()):
+        return  # no weights to size: the adapter says so with its own error
+    needed = open_checkpoint(model_path).output_size_bound()
+    free = shutil.disk_usage(save_path.parent).free
+    if free < needed:
+        raise UserError(f"--save_path {save_path}: {save_path.parent} has {free / 2**30:.2f} GiB free; the output "
+                        f"of {model_path.name} can take up to {needed / 2**30:.2f} GiB")
+
+
+def _check_label_kept(work_dir: Path, chosen: ChosenPractice) -> None:
+    """The output must hold what the practice's label promises (`w4a8` -> some W4A8_DYNAMIC tensor)."""
+    label = chosen.practice.metadata.label
+    if label.w_bit >= 16 and label.a_bit >= 16:
+        return
+    scheme = f"W{label.w_bit}A{label.a_bit}_DYNAMIC"
+    description = json.loads((work_dir / DESCRIPTION_FILE).read_text(encoding="utf-8"))
+    if scheme not in description.values():
+        raise UserError(f"{chosen.path}: the practice is labelled {chosen.practice.quant_type}, but it quantized no "
+                        f"tensor {scheme} (check the include / exclude globs of its quantizers)")
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed), then exits 143."""
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (an embedding application): leave its signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _make_work_dir(save_path: Path) -> Path:
+    try:
+        work_dir = _side_name(save_path, f"tmp-{os.getpid()}")
+        if work_dir.exists():
+            shutil.rmtree(work_dir)  # left by a killed run of this same pid number
+        work_dir.mkdir()
+    except OSError as exc:
+        where = exc.filename or save_path.parent
+        message = "no space left" if exc.errno == errno.ENOSPC else exc.strerror
+        raise UserError(f"--save_path {save_path}: cannot create {where} ({message})") from None
+    return work_dir
 
 
 def quant(args: QuantArgs) -> QuantResult:
@@ -191,20 +299,24 @@ def quant(args: QuantArgs) -> QuantResult:
                 plan.entry.entry_point, plan.chosen.path, plan.device)
     if args.tag:
         logger.info("tag: %s", args.tag)
-    plan.save_path.parent.mkdir(parents=True, exist_ok=True)
-    work_dir = plan.save_path.parent / f".{plan.save_path.name}.tmp-{os.getpid()}"
-    if work_dir.exists():
-        shutil.rmtree(work_dir)  # left by a killed run of this same pid number
-    work_dir.mkdir()
     try:
-        _run_service(plan, args, work_dir)
-        if not (work_dir / DESCRIPTION_FILE).is_file():
-            raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
-        shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
-        _publish(work_dir, plan.save_path)
-    except BaseException:
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise
+        plan.save_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--save_path {plan.save_path}: cannot create {exc.filename} ({exc.strerror})") from None
+    with _sigterm_raises(), _output_lock(plan.save_path):
+        _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
+        _check_free_space(plan.model_path, plan.save_path)
+        work_dir = _make_work_dir(plan.save_path)
+        try:
+            _run_service(plan, args, work_dir)
+            if not (work_dir / DESCRIPTION_FILE).is_file():
+                raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
+            _check_label_kept(work_dir, plan.chosen)
+            shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
+            _publish(work_dir, plan.save_path)
+        except BaseException:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            raise
     files = [p for p in plan.save_path.rglob("*") if p.is_file()]
     return QuantResult(
         save_path=plan.save_path,

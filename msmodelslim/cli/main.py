@@ -1,7 +1,7 @@
 """`msmodelslim quant ...` and `msmodelslim eval ...`: argument parsing, logging set-up and the final summary.
 
 Exit status: 0 done; 2 bad input (one line `msmodelslim: error: ...`, no traceback); 1 an unexpected failure
-(traceback kept); 130 interrupted.
+(traceback kept); 130 interrupted (SIGINT), 143 terminated (SIGTERM): every rank stopped, nothing left behind.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from msmodelslim.errors import UserError
+from msmodelslim.errors import Terminated, UserError
 from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 
 
@@ -132,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("msmodelslim: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("msmodelslim: terminated", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 RECORD_KEYS = ("text", "image")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 INDEX_NAME = "index.jsonl"
+# Pillow's own decompression-bomb threshold; larger images are refused by name before anything decodes them.
+MAX_IMAGE_PIXELS = 89_478_485
 _SHORT_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -86,11 +88,18 @@ def _check_image(value: object, root: Path, where: str) -> Path:
         raise CalibError(f"{where}: image file not found: {full}")
     from PIL import Image, UnidentifiedImageError
 
+    pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # read the size; our limit judges it
     try:
         with Image.open(full) as img:
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise CalibError(f"{where}: image {value!r} is {width}x{height} = {width * height / 1e6:.0f} M "
+                                 f"pixels, above the {MAX_IMAGE_PIXELS / 1e6:.0f} M pixel limit; resize it")
             img.verify()
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise CalibError(f"{where}: image {value!r} cannot be read as an image ({exc})") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = pillow_limit
     return full
 
 

@@ -9,7 +9,7 @@ spec:
   dataset: calibImages                         # lab_calib short name, or a path (jsonl file / dir with index.jsonl)
   default_text: "Describe this image."         # text of image-only samples (required for the multimodal service)
   max_samples: 16                              # optional
-  max_seq_len: 512                             # optional
+  max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
 `spec.process` / `spec.save` become lists of `Entry(type, config)`. Processor and saver entries are built generically from the config dataclass registered under their `type`
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -34,6 +35,9 @@ import yaml
 from msmodelslim.errors import UserError
 
 APIVERSIONS = ("modelslim_v1", "multimodal_vlm_modelslim_v1")
+# A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
+# no layer-wise run finishes on that, and calibration needs far fewer).
+DEFAULT_MAX_SEQ_LEN = 4096
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
 RUNNERS = ("auto", "layer_wise", "dp_layer_wise")
 
@@ -103,7 +107,7 @@ class Spec:
     runner: Literal["auto", "layer_wise", "dp_layer_wise"] = "auto"
     default_text: str = ""
     max_samples: int | None = None
-    max_seq_len: int | None = None
+    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
 
     def validate(self) -> None:
         if not self.dataset.strip():
@@ -259,6 +263,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _SchemaError(path, f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # YAML's .inf / .nan: no field of a practice means "unbounded" by them
+            raise _SchemaError(path, f"expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -346,6 +352,19 @@ def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str
     return entries
 
 
+def _check_label_is_kept(label: Label, process: list[Entry], processors: Mapping[str, Any]) -> None:
+    """A practice must do what its label says: a practice that quantizes nothing is not a w4a8 practice."""
+    listed = [processors[e.type] for e in process]
+    if (label.w_bit < 16 or label.a_bit < 16) and not any(getattr(p, "quantizes_linears", False) for p in listed):
+        quantizers = sorted(n for n, p in processors.items() if getattr(p, "quantizes_linears", False))
+        raise _SchemaError("spec.process", f"metadata.label promises {label.quant_type}, but no processor listed "
+                           f"quantizes linears (add one of: {', '.join(quantizers) or '(none registered)'})")
+    if label.kv_cache and not any(getattr(p, "quantizes_attention", False) for p in listed):
+        quantizers = sorted(n for n, p in processors.items() if getattr(p, "quantizes_attention", False))
+        raise _SchemaError("metadata.label.kv_cache", "true needs a processor in spec.process that quantizes the "
+                           f"attention / KV cache; available: {', '.join(quantizers) or 'none in this version'}")
+
+
 def _registries() -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     import msmodelslim.processor.catalog  # noqa: F401 - fills the registries
     from msmodelslim.processor.base import PROCESSORS
@@ -410,6 +429,7 @@ def load_practice(
         spec = build_dataclass(Spec, data["spec"], "spec", custom={"process": process_entries, "save": save_entries})
         if apiversion == MULTIMODAL_APIVERSION and not spec.default_text.strip():
             raise _SchemaError("spec.default_text", f"required (non-empty) for apiversion {MULTIMODAL_APIVERSION}")
+        _check_label_is_kept(metadata.label, spec.process, processors)
     except _SchemaError as exc:
         raise PracticeError(f"{path}: {exc}") from None
     practice = PracticeConfig(apiversion=apiversion, metadata=metadata, spec=spec)

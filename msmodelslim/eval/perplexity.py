@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
+from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
 
@@ -115,7 +117,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
                          reader: AscendV1Reader, compute_dtype: torch.dtype = torch.bfloat16) -> EvalResult:
     """Original and quantized perplexity over `windows`, one unit in memory at a time."""
     if not windows:
-        raise ValueError("no evaluation window (text shorter than one window?)")
+        raise UserError("no evaluation window (text shorter than one window?)")
     variants = {"orig": None, "quant": reader}
     states = {v: [{"input_ids": w} for w in windows] for v in variants}
     nll = {v: 0.0 for v in variants}
@@ -144,12 +146,27 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
     unmatched = sorted(set(reader.quantized_linears()) - simulated)
     if unmatched:
-        raise ValueError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
+        raise UserError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
                          f"an nn.Linear of any text unit of {type(adapter).__name__}; it cannot be simulated")
     ppl = {v: math.exp(nll[v] / count[v]) for v in variants}
     logger.info("eval: %d quantized linears simulated", len(simulated))
     return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
                       windows=len(windows), tokens=count["orig"], quantized_linears=len(simulated))
+
+
+def check_same_source(model_path: str | Path, reader: AscendV1Reader) -> None:
+    """The output must come from `model_path`: the identity `ascendv1_saver` records must match (an output
+    without one, from an older version, is compared with a warning)."""
+    recorded = (reader.header.get("metadata") or {}).get("source")
+    if not recorded:
+        logger.warning("%s records no source checkpoint; cannot check that it was made from %s", reader.out_dir,
+                       model_path)
+        return
+    actual = source_identity(model_path)
+    for key, value in recorded.items():
+        if actual.get(key) != value:
+            raise UserError(f"--quant_path {reader.out_dir} was quantized from another checkpoint than --model_path "
+                            f"{model_path} (source {key} {value} != {actual.get(key)})")
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -159,7 +176,7 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
     spec = parse_device(device)
     if spec.world_size != 1:
-        raise ValueError(f"--device {device!r}: eval runs on one device")
+        raise UserError(f"--device {device!r}: eval runs on one device")
     return spec.torch_device(0)
 
 
@@ -172,14 +189,15 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
     `device`) overrides the config.ini lookup of `model_type`.
     """
     if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+        raise UserError(f"seq_len must be at least 2, got {seq_len}")
     if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows must be at least 1, got {max_windows}")
+        raise UserError(f"max_windows must be at least 1, got {max_windows}")
     dataset = Path(dataset)
     if not dataset.is_file():
-        raise FileNotFoundError(f"{dataset}: evaluation text file not found")
+        raise UserError(f"{dataset}: evaluation text file not found")
     dev = _resolve_device(device)
     reader = AscendV1Reader(quant_path)
+    check_same_source(model_path, reader)
     owned = adapter is None
     if adapter is None:
         from msmodelslim.core.dist import DistContext
@@ -191,7 +209,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
         text = dataset.read_text(encoding="utf-8")
         windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
         if not windows:
-            raise ValueError(f"{dataset}: fewer than seq_len={seq_len} tokens")
+            raise UserError(f"{dataset}: fewer than seq_len={seq_len} tokens")
         compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
         result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
     finally:

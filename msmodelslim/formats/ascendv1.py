@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from msmodelslim.errors import UserError
 from msmodelslim.quant.functional import dequantize
 from msmodelslim.quant.modules import ONLINE_ROTATION, SCHEMES
 from msmodelslim.quant.packing import unpack_int4
@@ -55,7 +56,7 @@ def is_int4(quant_type: str) -> bool:
     return quant_type in SCHEMES and SCHEMES[quant_type].weight.bits == 4
 
 
-class AscendV1Error(ValueError):
+class AscendV1Error(UserError):
     """A missing or malformed part of an AscendV1 output (the message names the file and key)."""
 
 

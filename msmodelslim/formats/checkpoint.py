@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from msmodelslim.formats.mxfp4 import decode_mxfp4
+from msmodelslim.errors import UserError
+from msmodelslim.formats.mxfp4 import GROUP_SIZE, decode_mxfp4
 from msmodelslim.formats.quant_scheme import QuantScheme, parse_quant_scheme, read_config
 
 __all__ = ["CheckpointError", "CheckpointReader", "open_checkpoint", "read_config"]
@@ -33,12 +34,20 @@ _SCALE = ".weight_scale"
 _COMPANIONS = (".weight_scale", ".weight_global_scale", ".weight_zero_point", ".weight_shape")
 
 
-class CheckpointError(ValueError):
-    """A malformed checkpoint; the message names the offending file and key."""
+class CheckpointError(UserError):
+    """A malformed checkpoint; the message names the offending file and key (one line, exit status 2)."""
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8}
 
 
 def _module_of(packed_key: str) -> str:
     return packed_key[: -len(_PACKED)]
+
+
+def _module_of_companion(key: str) -> str:
+    return key.rpartition(".weight_")[0]
 
 
 class CheckpointReader:
@@ -56,6 +65,7 @@ class CheckpointReader:
         self._lock = threading.Lock()
         self._logical: dict[str, str] = {}  # logical key -> stored key (packed key for MXFP4)
         packed_modules = {_module_of(k) for k in weight_map if k.endswith(_PACKED)}
+        self._packed_modules = packed_modules
         for key in weight_map:
             if key.endswith(_PACKED):
                 logical = _module_of(key) + ".weight"
@@ -93,6 +103,56 @@ class CheckpointReader:
         if stored.endswith(_PACKED):
             shape = (*shape[:-1], shape[-1] * 2)
         return shape
+
+    def stored_dtype(self, name: str) -> str:
+        """safetensors dtype string ("BF16", "U8", ...) of logical ``name`` as stored (packed codes for MXFP4)."""
+        stored = self._stored_key(name)
+        return self._handle_for(stored).get_slice(stored).get_dtype()
+
+    def output_size_bound(self) -> int:
+        """Bytes a quantized copy can take at most: MXFP4 linears as int8 (1 byte a weight), the rest as stored."""
+        total = 0
+        for stored in self._weight_map:
+            sl = self._handle_for(stored).get_slice(stored)
+            numel = 1
+            for d in sl.get_shape():
+                numel *= d
+            if stored.endswith(_PACKED):
+                total += 2 * numel  # two codes a byte
+            elif not any(stored.endswith(c) and _module_of_companion(stored) in self._packed_modules
+                         for c in _COMPANIONS):
+                total += numel * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+        self.close()
+        return total
+
+    def file_of(self, name: str) -> Path:
+        """The shard holding logical ``name``."""
+        return self._where(self._stored_key(name))
+
+    def check_mxfp4_layout(self, name: str) -> None:
+        """Headers only: the codes and E8M0 scales of MXFP4 ``name`` have the dtypes and shapes decoding needs."""
+        stored = self._stored_key(name)
+        module = _module_of(stored)
+        scale_key = module + _SCALE
+        where = self._where(stored)
+        if scale_key not in self._weight_map:
+            raise CheckpointError(f"{where}: {stored} has no matching {scale_key} in the checkpoint")
+        if self.quant_scheme is None:
+            raise CheckpointError(f"{self.model_dir / 'config.json'}: {stored} is packed but config.json has no "
+                                  f"quantization_config")
+        self.quant_scheme.require_mxfp4(module)
+        packed = self._handle_for(stored).get_slice(stored)
+        scale = self._handle_for(scale_key).get_slice(scale_key)
+        p_shape, s_shape = tuple(packed.get_shape()), tuple(scale.get_shape())
+        if packed.get_dtype() != "U8" or scale.get_dtype() != "U8":
+            raise CheckpointError(f"{where}: {stored} is {packed.get_dtype()} and {scale_key} is {scale.get_dtype()}; "
+                                  f"MXFP4 stores both as U8 (uint8)")
+        if len(p_shape) != 2 or (2 * p_shape[1]) % GROUP_SIZE:
+            raise CheckpointError(f"{where}: {stored} has shape {p_shape}; MXFP4 codes are [out, in/2] with in "
+                                  f"divisible by {GROUP_SIZE}")
+        if s_shape != (p_shape[0], 2 * p_shape[1] // GROUP_SIZE):
+            raise CheckpointError(f"{self._where(scale_key)}: {scale_key} has shape {s_shape}, expected "
+                                  f"{(p_shape[0], 2 * p_shape[1] // GROUP_SIZE)} for {stored} {p_shape}")
 
     def get(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` on ``device``; MXFP4 is decoded there (to ``dtype`` or bfloat16).
@@ -195,13 +255,52 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
+def source_identity(model_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """What identifies a checkpoint cheaply: sha256 of its config.json and of its shard index (or, for one
+    unsharded file, of its header). Written into every output, compared by `msmodelslim eval`."""
+    import hashlib
+
+    model_dir = Path(model_dir)
+    out = {}
+    config = model_dir / "config.json"
+    if config.is_file():
+        out["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    index, single = model_dir / INDEX_NAME, model_dir / SINGLE_NAME
+    if index.is_file():
+        out["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    elif single.is_file():
+        with open(single, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            out["header_sha256"] = hashlib.sha256(f.read(min(length, 100 * 2**20))).hexdigest()
+    return out
+
+
+def _check_shards(model_dir: Path, weight_map: dict[str, str], index_path: Path) -> None:
+    """Read every shard's header with the safetensors library (which also refuses a file shorter than its header
+    says) and check that it holds the tensors the index puts there: a broken shard fails now, not hours in."""
+    by_shard: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(key)
+    for shard, keys in sorted(by_shard.items()):
+        path = model_dir / shard
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                present = set(handle.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors shard: {exc}") from None
+        missing = [k for k in keys if k not in present]
+        if missing:
+            raise CheckpointError(f"{path}: tensor {missing[0]} (and {len(missing) - 1} more) is listed in "
+                                  f"{index_path.name} but missing from the shard")
+
+
 def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
     """Open ``model_dir`` lazily: headers and config only; tensors are read by ``get``.
 
     Raises:
-        FileNotFoundError: neither ``model.safetensors.index.json`` nor ``model.safetensors`` exists.
-        CheckpointError: malformed index, a shard the index names is missing, an unreadable shard header.
-        ValueError: an unsupported ``quantization_config`` (unknown quant_method, bad regex).
+        CheckpointError: neither ``model.safetensors.index.json`` nor ``model.safetensors`` exists; a malformed
+            index; a shard the index names is missing, outside ``model_dir`` or unreadable (header, length); an
+            unsupported ``quantization_config`` (unknown quant_method, bad regex).
     """
     model_dir = Path(model_dir)
     index_path = model_dir / INDEX_NAME
@@ -212,8 +311,13 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
         for key, shard in weight_map.items():
             first_key.setdefault(shard, key)
         for shard, key in first_key.items():
-            if not (model_dir / shard).is_file():
+            path = model_dir / shard
+            # judged by the name, not by where links lead: a hub cache links its shards to blobs elsewhere
+            if Path(shard).is_absolute() or os.path.normpath(shard).startswith(".."):
+                raise CheckpointError(f"{index_path}: shard {shard!r} (holding {key}) lies outside {model_dir}")
+            if not path.is_file():
                 raise CheckpointError(f"{index_path}: shard {shard} (holding {key}) not found in {model_dir}")
+        _check_shards(model_dir, weight_map, index_path)
         source: Path | None = index_path
     elif single_path.is_file():
         try:
@@ -223,9 +327,12 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
             raise CheckpointError(f"{single_path}: cannot read safetensors header: {exc}") from exc
         source = None
     else:
-        raise FileNotFoundError(f"{model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
-    config = read_config(model_dir) if (model_dir / "config.json").is_file() else None
-    scheme = parse_quant_scheme(config, source=str(model_dir / "config.json")) if config is not None else None
+        raise CheckpointError(f"{model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    try:
+        config = read_config(model_dir) if (model_dir / "config.json").is_file() else None
+        scheme = parse_quant_scheme(config, source=str(model_dir / "config.json")) if config is not None else None
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     reader = CheckpointReader(model_dir, weight_map, source, config, scheme)
     logger.debug("opened %s: %d tensors in %d shard(s)", model_dir, len(reader), len(set(weight_map.values())))
     return reader

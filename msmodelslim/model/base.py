@@ -36,6 +36,10 @@ class ModelAdapter(ABC):
         self.model_path = Path(model_path)
         self.trust_remote_code = trust_remote_code
 
+    @classmethod
+    def check_config(cls, config: dict[str, Any], config_file: Path, model_type: str) -> None:
+        """Raise UserError for a config.json the adapter cannot serve as `model_type` (before anything runs)."""
+
     def close(self) -> None:
         """Undo whatever the adapter patched into the checkpoint's classes (idempotent)."""
 
@@ -49,6 +53,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     def units(self) -> list[Unit]:
         """Units in execution order."""
+
+    def unit_module(self, unit: Unit) -> nn.Module:
+        """The unit's module as built on the meta device, before loading (for plans made before any compute)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose unit skeletons")
 
     @abstractmethod
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:

@@ -25,10 +25,17 @@ class ProcessorConfig:
 class Processor(ABC):
     config_cls: type[ProcessorConfig] = ProcessorConfig
     name: str = ""  # the YAML `type`, set by register_processor
+    # What the practice check asks of the processors listed: a label below 16 bits needs one that quantizes
+    # linears, `kv_cache: true` one that quantizes attention (so a practice cannot promise what it never does).
+    quantizes_linears: bool = False
+    quantizes_attention: bool = False
 
     def __init__(self, config: ProcessorConfig, adapter: ModelAdapter) -> None:
         self.config = config
         self.adapter = adapter
+
+    def preflight(self, adapter: ModelAdapter) -> None:
+        """Check the plan against the whole model before any compute (raise UserError for one that cannot work)."""
 
     @abstractmethod
     def process_unit(self, ctx: UnitContext) -> None:

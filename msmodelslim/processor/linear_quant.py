@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.errors import UserError
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.quant.granularity import int_dtype
 from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, quantize_weight, scheme_for
@@ -157,6 +158,25 @@ def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
 @register_processor("linear_quant", LinearQuantConfig)
 class LinearQuantProcessor(Processor):
     config: LinearQuantConfig
+    quantizes_linears = True
+
+    def preflight(self, adapter: Any) -> None:
+        """Count the linears the globs select on the model's skeleton; selecting none is an error (the practice
+        would run for hours and write a FLOAT model)."""
+        cfg = self.config
+        names, matched = [], 0
+        for unit in adapter.units():
+            for live_name, mod in adapter.unit_module(unit).named_modules():
+                if live_name and isinstance(mod, nn.Linear):
+                    ckpt = adapter.checkpoint_name(unit, live_name)
+                    names.append(ckpt)
+                    matched += select(ckpt, unit.kind, cfg.include, cfg.exclude)
+        if not matched:
+            example = names[len(names) // 2] if names else "(none)"
+            raise UserError(f"linear_quant ({cfg.scheme.name}): include {cfg.include} exclude {cfg.exclude} selects "
+                            f"none of the model's {len(names)} linears (for example {example})")
+        logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name, cfg.include,
+                    cfg.exclude, matched, len(names))
 
     def process_unit(self, ctx: UnitContext) -> None:
         cfg = self.config

@@ -39,6 +39,7 @@ class NoopConfig:
 
 class NoopEntry:
     config_cls = NoopConfig
+    quantizes_linears = True  # the stub practices are labelled w4a8
 
 
 class DummyAdapter(ModelAdapter):
@@ -70,7 +71,8 @@ def stub_service(monkeypatch):
     def run_service(request):
         calls.append(request)
         assert request.work_dir.is_dir() and not any(request.work_dir.iterdir())
-        (request.work_dir / "quant_model_description.json").write_text(json.dumps({"version": "1.0.0"}))
+        (request.work_dir / "quant_model_description.json").write_text(json.dumps({"version": "1.0.0",
+                                                                                    "x.weight": "W4A8_DYNAMIC"}))
         (request.work_dir / "config.json").write_text("{}")
 
     monkeypatch.setattr(quant_service, "run_service", run_service)

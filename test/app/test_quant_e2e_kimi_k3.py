@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,11 @@ from msmodelslim.app.resources import resource_path
 from msmodelslim.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
-MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny"
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(out)], check=True,
-                   capture_output=True)
-    return out
+@pytest.fixture
+def tiny_k3(tiny_k3_checkpoint) -> Path:
+    return tiny_k3_checkpoint
 
 
 def scheme_of(description: dict[str, str], pattern: str) -> set[str]:

@@ -48,7 +48,11 @@ class SaveProc:
     config_cls = SaveCfg
 
 
-PROCESSORS = {"smooth": SmoothProc, "quarot": SmoothProc}
+class QuantizingSmoothProc(SmoothProc):
+    quantizes_linears = True  # a w4a8 practice must list a quantizer: this stub is the GOOD practice's one
+
+
+PROCESSORS = {"smooth": QuantizingSmoothProc, "quarot": SmoothProc}
 SAVERS = {"ascendv1_saver": SaveProc}
 
 GOOD = """\
@@ -92,7 +96,7 @@ def test_valid_practice_builds_typed_configs(tmp_path):
     assert practice.metadata.label == Label(4, 8, False, False)
     assert practice.quant_type == "w4a8"
     spec = practice.spec
-    assert spec.runner == "dp_layer_wise" and spec.max_samples == 8 and spec.max_seq_len is None
+    assert spec.runner == "dp_layer_wise" and spec.max_samples == 8 and spec.max_seq_len == 4096  # the default cap
     assert [e.type for e in spec.process] == ["quarot", "smooth"]
     assert spec.process[0] == Entry("quarot", SmoothCfg())
     smooth = spec.process[1].config
@@ -208,3 +212,40 @@ def test_header_reads_metadata_without_registries(tmp_path):
     header = load_practice_header(write(tmp_path, GOOD.replace("type: quarot", "type: not_registered")))
     assert header.quant_type == "w4a8" and header.metadata.score == 90.0
     assert header.metadata.verified_model_types == ["Kimi-K3"]
+
+
+@pytest.mark.parametrize("key, value", [("score", ".inf"), ("score", ".nan"), ("score", "-.inf")])
+def test_non_finite_number_is_refused(tmp_path, key, value):
+    # reference: the literal message; YAML's .inf/.nan parse as floats, so only the schema can refuse them
+    path = write(tmp_path, GOOD.replace("score: 90", f"{key}: {value}"))
+    with pytest.raises(PracticeError, match=r"metadata\.score: expected a finite number"):
+        load(path)
+
+
+def test_nested_non_finite_number_is_refused(tmp_path):
+    path = write(tmp_path, GOOD.replace("alpha: 0.9", "alpha: .nan"))
+    with pytest.raises(PracticeError, match=r"spec\.process\[1\]\.alpha: expected a finite number"):
+        load(path)
+
+
+def test_practice_without_a_quantizer_is_refused(tmp_path):
+    # the label says w4a8; with only quarot listed the output would be all FLOAT
+    text = GOOD.replace("    - type: smooth\n      alpha: 0.9\n      enable_subgraph_type: [norm-linear, up-down]\n"
+                        "      inner: {scope: per_channel, bits: 4}\n      extra: {a: 1}\n", "")
+    assert "type: smooth" not in text
+    with pytest.raises(PracticeError, match=r"spec\.process: metadata\.label promises w4a8, but no processor "
+                                            r"listed quantizes linears \(add one of: smooth\)"):
+        load(write(tmp_path, text))
+
+
+def test_float_practice_needs_no_quantizer(tmp_path):
+    text = GOOD.replace("label: {w_bit: 4, a_bit: 8,", "label: {w_bit: 16, a_bit: 16,").replace(
+        "type: smooth", "type: quarot").replace("      alpha: 0.9\n      enable_subgraph_type: [norm-linear, up-down]\n"
+                                                "      inner: {scope: per_channel, bits: 4}\n      extra: {a: 1}\n", "")
+    assert load(write(tmp_path, text)).quant_type == "w16a16"
+
+
+def test_kv_cache_label_without_attention_quantizer_is_refused(tmp_path):
+    path = write(tmp_path, GOOD.replace("kv_cache: false", "kv_cache: true"))
+    with pytest.raises(PracticeError, match=r"metadata\.label\.kv_cache: true needs a processor"):
+        load(path)

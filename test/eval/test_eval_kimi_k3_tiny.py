@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
 TEXT = REPO / ".." / "shared" / "data" / "text" / "python_tutorial.txt"
 W4A8 = {"act": {"dtype": "int8"}, "weight": {"dtype": "int4", "method": "minmax"}}
 W8A8 = {"act": {"dtype": "int8"}, "weight": {"dtype": "int8", "method": "minmax"}}
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
+def quantized(tmp_path_factory, tiny_k3_checkpoint):
     try:
         from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
     except ImportError as exc:
@@ -36,9 +33,7 @@ def quantized(tmp_path_factory):
     from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 
     root = tmp_path_factory.mktemp("k3")
-    src, out = root / "Kimi-K3-tiny", root / "out"
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(src)], check=True,
-                   capture_output=True)
+    src, out = tiny_k3_checkpoint, root / "out"
     adapter = KimiK3ModelAdapter(src, trust_remote_code=True)
     try:
         procs = [LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*experts.*"],

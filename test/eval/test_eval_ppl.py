@@ -11,6 +11,7 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.errors import UserError
 from msmodelslim.eval.perplexity import build_parser, evaluate, make_windows, wrap_quantized_linears
 from msmodelslim.formats.ascendv1 import AscendV1Reader
 from msmodelslim.model.base import ModelAdapter, Unit
@@ -206,11 +207,11 @@ def test_cli_arguments():
 def test_missing_dataset_and_short_text(tmp_path, text_file):
     src = _make_source(tmp_path / "src")
     adapter, _ = _quantize_and_save(src, tmp_path / "out", online=False)
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
+    with pytest.raises(UserError, match="nope.txt"):
         evaluate(src, tmp_path / "out", tmp_path / "nope.txt", adapter=adapter)
     short = tmp_path / "short.txt"
     short.write_text("abc")
-    with pytest.raises(ValueError, match="fewer than"):
+    with pytest.raises(UserError, match="fewer than"):
         evaluate(src, tmp_path / "out", short, seq_len=64, adapter=adapter)
 
 

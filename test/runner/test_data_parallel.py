@@ -8,8 +8,6 @@ runs through the replicated layers alone, exactly as on one device.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,12 +23,9 @@ SHARED = REPO.parent / "shared"
 MINI = SHARED / "models" / "kimi-linear-mini"
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny"
-    subprocess.run([sys.executable, str(REPO / "example/multimodal_vlm/Kimi-K3/make_checkpoint.py"),
-                    "--preset", "tiny", "--out", str(out)], check=True, capture_output=True)
-    return out
+@pytest.fixture
+def tiny_k3(tiny_k3_checkpoint: Path) -> Path:
+    return tiny_k3_checkpoint
 
 
 def _quant(model: Path, out: Path, device: str, model_type: str, practice: Path) -> None:
@@ -88,4 +83,6 @@ def test_the_rank_that_failed_first_is_reported(tmp_path: Path):
     assert _first_failure(tmp_path) is None
     (tmp_path / "rank0").write_text('{"time": 20.5, "error": "Connection reset by peer"}')
     (tmp_path / "rank1").write_text('{"time": 20.1, "error": "injected failure on rank 1"}')
-    assert _first_failure(tmp_path) == (1, "injected failure on rank 1")
+    assert _first_failure(tmp_path) == (1, "injected failure on rank 1", False)
+    (tmp_path / "rank0").write_text('{"time": 20.0, "error": "config.json: bad", "user": true}')
+    assert _first_failure(tmp_path) == (0, "config.json: bad", True)  # a bad input: one line, exit 2

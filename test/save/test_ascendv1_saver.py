@@ -55,7 +55,8 @@ def test_layout_names_dtypes_shapes_and_description(tmp_path):
     t = _stored(out)
     desc = json.loads((out / DESCRIPTION_NAME).read_text())
     assert desc["model_quant_type"] == "W4A8_DYNAMIC" and desc["version"] == "1.0.0" and desc["group_size"] == 0
-    assert desc["metadata"] == {"quarot": {"seed": 3}}
+    assert desc["metadata"]["quarot"] == {"seed": 3}
+    assert set(desc["metadata"]["source"]) == {"config_sha256", "index_sha256"}  # what `msmodelslim eval` checks
     tensor_types = {k: v for k, v in desc.items() if k not in ("model_quant_type", "version", "group_size", "metadata")}
     assert set(tensor_types) == set(t)
 
@@ -209,3 +210,21 @@ def test_two_rank_output_equals_single_process_output(tmp_path, part):
     index = json.loads((out / INDEX_NAME).read_text())
     assert list(index["weight_map"]) == sorted(t_single)
     assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_tensor_from_a_processor_is_refused_by_name_and_nothing_is_written(tmp_path, value):
+    from msmodelslim.processor.save.ascendv1_saver import NonFiniteError
+
+    src = write_source_dir(tmp_path / "src")
+    adapter = ToyAdapter(src)
+    layer = quantize(make_layer(), adapter)
+    norm = next(m for m in layer.modules() if not isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None
+                and m.weight.dim() == 1)
+    norm.weight.data[0] = value  # what a processor dividing by a zero statistic would leave behind
+    out = tmp_path / "out"
+    saver = AscendV1Saver(AscendV1SaverConfig(), adapter, out, SINGLE)
+    with pytest.raises(NonFiniteError, match=r"tensor \S+\.weight has 1 non-finite value\(s\) \(NaN/Inf\) after "
+                                             r"processing"):
+        saver.save_unit(UNIT, layer)
+    assert not list(out.glob("*.safetensors"))

@@ -120,7 +120,10 @@ def test_standin_logits_match_native_kimi_linear_bf16(models, windows, fp32_logi
     assert _rel(out, ref) < 5e-2  # measured 3.5e-2
     # The stand-in's own bf16 rounding is no worse than the native class's (measured 0.0256 vs 0.0288 vs fp32).
     assert _rel(out, ref32) <= 1.1 * _rel(ref, ref32)
-    assert top1(out, ref32) >= top1(ref, ref32) - 0.01  # measured 0.977 both
+    # Top-1 agreement over these 256 positions is a noisy count: at a ~2 % flip rate one run's standard deviation is
+    # sqrt(0.02 * 0.98 / 256) ~ 0.009, and which near-ties flip depends on the CPU's bf16 kernels (measured 0.977
+    # for both on one host, 0.969 vs 0.984 on another). Allow 3 standard deviations of the difference.
+    assert top1(out, ref32) >= top1(ref, ref32) - 0.025
     ppl32, ppl_ref, ppl_out = _ppl(ref32, windows), _ppl(ref, windows), _ppl(out, windows)
     assert abs(ppl_out / ppl32 - 1) < 0.01, (ppl32, ppl_out)  # measured 57.45 vs 57.17 (native bf16: 57.68)
     assert abs(ppl_out / ppl_ref - 1) < 0.015, (ppl_ref, ppl_out)

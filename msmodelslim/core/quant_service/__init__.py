@@ -12,10 +12,13 @@ import logging
 import math
 import os
 import resource
+import shutil
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,45 @@ from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.layer_wise import LayerWiseRunner
+from msmodelslim.errors import UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
+RENDEZVOUS_TIMEOUT_ENV = "MSMODELSLIM_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait for each other at start
+DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
+_STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to die before it is killed
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: MASTER_ADDR / MASTER_PORT when the environment presets them, else loopback and a
+    free port. A rank that cannot reach it within `timeout_s` fails with a message instead of hanging."""
+
+    addr: str
+    port: int
+    timeout_s: float
+    preset: bool
+
+    @classmethod
+    def from_environment(cls) -> Rendezvous:
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        raw = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, str(DEFAULT_RENDEZVOUS_TIMEOUT))
+        try:
+            timeout = float(raw)
+            if not 0 < timeout < 1e6:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"${RENDEZVOUS_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds") from None
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise UserError(f"$MASTER_PORT={port!r}: expected a TCP port number (1-65535)")
+        return cls(addr or "127.0.0.1", int(port) if port else _free_port(), timeout, bool(addr or port))
+
+    def describe(self) -> str:
+        origin = "from MASTER_ADDR/MASTER_PORT" if self.preset else "loopback, free port"
+        return f"{self.addr}:{self.port} ({origin})"
 
 
 @dataclass
@@ -46,6 +82,8 @@ class QuantRequest:
     model_type: str
     prefetch: bool = True
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
+    # what the ranks remove should the main process die without cleaning up (the app's lock file)
+    orphan_cleanup: tuple[Path, ...] = ()
 
 
 def _free_port() -> int:
@@ -78,8 +116,51 @@ def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[
     return [samples[i] for i in order[rank::world]]
 
 
-def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int | None,
-               failures: str | None = None) -> dict[str, float]:
+def _init_process_group(backend: str, rank: int, world: int, device: torch.device, meet: Rendezvous) -> None:
+    try:
+        store = torch_dist.TCPStore(meet.addr, meet.port, world, is_master=rank == 0,
+                                    timeout=timedelta(seconds=meet.timeout_s), wait_for_workers=True)
+    except (RuntimeError, OSError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise UserError(f"rank {rank} of {world}: no rendezvous at {meet.describe()} within {meet.timeout_s:g} s "
+                        f"({' '.join(str(exc).split())[:200]}); unset MASTER_ADDR/MASTER_PORT or point them at "
+                        f"this host") from None
+    torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                  device_id=device if device.type != "cpu" else None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a dead process its parent has not reaped yet
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path]) -> None:
+    """A rank outlives a killed main process only by a moment: it removes the run's temporary folders (rank 0)
+    and exits, so no orphan goes on computing or writing into an output nobody will publish."""
+    def watch() -> None:
+        while _alive(main_pid):
+            time.sleep(0.5)
+        if rank == 0:
+            for path in cleanup:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="main-watchdog", daemon=True).start()
+
+
+def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rendezvous | None,
+               failures: str | None = None, main_pid: int | None = None) -> dict[str, float]:
     """One rank of a run (rank 0 of 1 on a single device). A failing rank notes its error and the time in the
     folder `failures`, so the service can report the rank that failed first rather than a peer that only lost it."""
     from msmodelslim.processor.base import PROCESSORS
@@ -95,22 +176,24 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
 
         torch.npu.set_device(device)
     if world > 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
+        configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
+        if main_pid is not None:
+            _stop_with_main(main_pid, rank, [request.work_dir, *request.orphan_cleanup]
+                            + ([Path(failures)] if failures else []))
         if device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        torch_dist.init_process_group(request.device.backend, rank=rank, world_size=world,
-                                      device_id=device if device.type != "cpu" else None)
-    if world > 1:
-        configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
     dist = DistContext(rank=rank, world_size=world, device=device)
     adapter = None
     try:
+        if world > 1:
+            _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
         samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         processors = _build(spec.process, PROCESSORS, adapter)
+        for processor in processors:
+            processor.preflight(adapter)  # a plan that matches nothing fails now, before any compute
         savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
@@ -129,9 +212,12 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], port: int |
             Path(f"{os.environ[STATS_ENV]}.rank{rank}").write_text(json.dumps(result))
         return result
     except Exception as exc:
-        logger.exception("rank %d of %d failed", rank, world)
+        user = isinstance(exc, UserError)
+        if not user:  # a bad input is reported once, as one line, by the CLI; anything else keeps its traceback
+            logger.exception("rank %d of %d failed", rank, world)
         if failures:
-            Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}"}))
+            Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}",
+                                                                 "user": user}))
         raise
     finally:
         if adapter is not None:
@@ -151,25 +237,48 @@ def run_service(request: QuantRequest) -> None:
     if world == 1:
         run_worker(0, request, records, None)
         return
-    # One process per device; every rank is terminated as soon as one fails, so a failure cannot hang.
+    meet = Rendezvous.from_environment()
+    logger.info("ranks meet at %s", meet.describe())
+    # One process per device; every rank is stopped as soon as one fails, and when this process is interrupted
+    # (SIGINT, SIGTERM) it stops them all before the temporary output is removed.
     with tempfile.TemporaryDirectory(prefix="msmodelslim-failures-") as failures:
+        context = mp.start_processes(run_worker, args=(request, records, meet, failures, os.getpid()),
+                                     nprocs=world, join=False, start_method=_start_method(request.device.type))
         try:
-            mp.start_processes(run_worker, args=(request, records, _free_port(), failures), nprocs=world,
-                               join=True, start_method=_start_method(request.device.type))
+            while not context.join(timeout=0.5):
+                pass
         except mp.ProcessRaisedException as exc:
             first = _first_failure(Path(failures))
+            if first is not None and first[2]:
+                raise UserError(f"rank {first[0]}: {first[1]}") from None
             if first is not None and first[0] != exc.error_index:
                 # the rank torch reports may only have lost its peer (a collective reset by the failing rank)
                 raise RuntimeError(f"rank {first[0]} failed first: {first[1]}") from exc
             raise
+        finally:
+            _stop_ranks(context.processes)
 
 
-def _first_failure(folder: Path) -> tuple[int, str] | None:
+def _stop_ranks(processes: list[Any]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after a grace period, and reap them all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _first_failure(folder: Path) -> tuple[int, str, bool] | None:
+    """(rank, message, is a bad input) of the rank that failed first."""
     notes = [(json.loads(p.read_text()), int(p.name[len("rank"):])) for p in folder.glob("rank*")]
     if not notes:
         return None
     note, rank = min(notes, key=lambda n: n[0]["time"])
-    return rank, note["error"]
+    return rank, note["error"], bool(note.get("user"))
 
 
 def _start_method(device_type: str) -> str:

@@ -20,7 +20,8 @@ from transformers import AutoConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.formats.checkpoint import open_checkpoint
+from msmodelslim.errors import UserError
+from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.model.common.utils import resolve_expert_ep_range
 from msmodelslim.model.kimi_k3 import ep_patches, runtime_patches
@@ -33,6 +34,20 @@ _EXPERT_RE = re.compile(r"(?<!shared_)experts\.(\d+)\.")
 _NATIVE_RENAMES = (("self_attn.forget_gate.", "self_attn."),)
 _NATIVE_FUSED_CONV = "self_attn.conv1d.weight"
 _NATIVE_CONV_PARTS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
+
+# config.json fields the model classes read; each is a tuple of accepted spellings. A missing one would otherwise
+# fall back to the class's built-in (full-size) default and surface hours later as a shape mismatch.
+REQUIRED_TEXT_FIELDS = (
+    ("hidden_size",), ("num_hidden_layers",), ("vocab_size",), ("num_attention_heads",), ("intermediate_size",),
+    ("moe_intermediate_size",), ("num_experts", "n_routed_experts", "num_local_experts"),
+    ("num_experts_per_token", "num_experts_per_tok"), ("kv_lora_rank",), ("qk_nope_head_dim",),
+    ("qk_rope_head_dim",), ("v_head_dim",), ("linear_attn_config",),
+)
+REQUIRED_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size")
+REQUIRED_VISION_FIELDS = ("patch_size", "hidden_size", "num_heads", "intermediate_size", "depth")
+# --model_type display name -> whether its checkpoints carry a vision tower
+MULTIMODAL_MODEL_TYPES = {"Kimi-K3": True, "Kimi-Linear": False}
+_SHAPE_CHECKED_DTYPES = {"BF16": True, "F16": True, "F32": True, "F64": True}
 
 
 class UnitModule(nn.Module):
@@ -64,6 +79,31 @@ def _model_class(config: Any, model_path: Path, trust_remote_code: bool) -> type
 class KimiK3ModelAdapter(ModelAdapter):
     """Model knowledge for Kimi-K3 and Kimi-Linear (remote code or transformers' native class)."""
 
+    @classmethod
+    def check_config(cls, config: dict[str, Any], config_file: Path, model_type: str) -> None:
+        """Refuse, before anything runs, a config.json this adapter cannot build the named model from."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        where = "text_config." if text is not config else ""
+        multimodal = isinstance(config.get("vision_config"), dict)
+        if model_type in MULTIMODAL_MODEL_TYPES and MULTIMODAL_MODEL_TYPES[model_type] != multimodal:
+            other = next(k for k, v in MULTIMODAL_MODEL_TYPES.items() if v == multimodal)
+            raise UserError(f"{config_file}: --model_type {model_type} but the config describes "
+                            f"{'a multimodal model (vision_config present)' if multimodal else 'a text-only model'}; "
+                            f"use --model_type {other}")
+        for names in REQUIRED_TEXT_FIELDS:
+            if not any(n in text for n in names):
+                raise UserError(f"{config_file}: required key {where}{names[0]} is missing")
+        lac = text["linear_attn_config"]
+        if not isinstance(lac, dict):
+            raise UserError(f"{config_file}: {where}linear_attn_config must be an object, got {lac!r}")
+        for name in REQUIRED_LINEAR_ATTN_FIELDS:
+            if name not in lac:
+                raise UserError(f"{config_file}: required key {where}linear_attn_config.{name} is missing")
+        if multimodal:
+            for name in REQUIRED_VISION_FIELDS:
+                if name not in config["vision_config"]:
+                    raise UserError(f"{config_file}: required key vision_config.{name} is missing")
+
     def __init__(self, model_path: str | Path, trust_remote_code: bool = False, dist: DistContext = SINGLE,
                  dtype: torch.dtype = torch.bfloat16, torch_kernels_on_cuda: bool = False) -> None:
         super().__init__(model_path, trust_remote_code)
@@ -71,21 +111,32 @@ class KimiK3ModelAdapter(ModelAdapter):
         self.dtype = dtype
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_path}: no config.json (is --model_path a weight directory?)")
-        self.config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        config_file = self.model_path / "config.json"
+        try:
+            self.config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+            raise UserError(f"{config_file}: cannot be read as a model configuration: {_one_line(exc)}") from None
         self.text_config = self.config.get_text_config()
         self.is_multimodal = getattr(self.config, "vision_config", None) is not None
         self.reader = open_checkpoint(self.model_path)
 
-        cls = _model_class(self.config, self.model_path, trust_remote_code)
-        with torch.device("meta"):
-            self.model = cls._from_config(self.config, dtype=dtype)
+        try:
+            cls = _model_class(self.config, self.model_path, trust_remote_code)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        try:
+            with torch.device("meta"):
+                self.model = cls._from_config(self.config, dtype=dtype)
+        except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as exc:
+            raise UserError(f"{config_file}: {cls.__name__} cannot be built from it: {_one_line(exc)}") from None
         self.model.eval()
         self.is_native = type(self.model).__module__.startswith("transformers.models.")
         self.language_model = self.model.language_model if self.is_multimodal else self.model
         self.lm_prefix = "language_model." if self.is_multimodal else ""
         self.layers = self.language_model.model.layers
 
-        self.expert_range = resolve_expert_ep_range(int(self.text_config.num_experts), dist.rank, dist.world_size)
+        self.num_experts = int(self.text_config.num_experts)
+        self.expert_range = resolve_expert_ep_range(self.num_experts, dist.rank, dist.world_size)
         self._ep = ep_patches.apply_ep_patches(self.model, self.text_config, dist)
         self._kernels = runtime_patches.apply_runtime_patches(
             runtime_patches.find_fla_modules(self.model), device_type=dist.device.type, force=torch_kernels_on_cuda)
@@ -93,7 +144,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         self._processor: Any = None
         self._mask_cache: dict[int, Any] = {}
         self._units = self._build_units()
-        self._check_checkpoint_covered()
+        self.check_checkpoint()
 
     def close(self) -> None:
         """Undo the runtime patches of the checkpoint's classes (EP and kernels)."""
@@ -158,12 +209,47 @@ class KimiK3ModelAdapter(ModelAdapter):
             return [unit.prefix + part for part in _NATIVE_CONV_PARTS]
         return [self.checkpoint_name(unit, live_name)]
 
-    def _check_checkpoint_covered(self) -> None:
+    def check_checkpoint(self) -> None:
+        """Headers only, before any compute: every tensor each unit needs is stored with its shape and a usable
+        dtype (MXFP4 codes and scales consistent), and every stored tensor belongs to a module of the model (no
+        expert beyond num_experts, no layer beyond num_hidden_layers). Each fault names the file and the tensor."""
+        reader = self.reader
+        available = set(reader.keys())
+        expected: set[str] = set()
+        for unit in self._units:
+            for live_name, owner, attr, _ in _tensor_slots(self.unit_module(unit)):
+                names = self._ckpt_tensor_names(unit, live_name)
+                expected.update(names)
+                model_shape = tuple(getattr(owner, attr).shape)
+                for name in names:
+                    if name not in available:
+                        raise CheckpointError(f"{self.model_path}: tensor {name!r} of unit {unit.name} is missing "
+                                              f"from the checkpoint")
+                    if reader.is_mxfp4(name):
+                        reader.check_mxfp4_layout(name)
+                    elif getattr(owner, attr).is_floating_point() and reader.stored_dtype(name) \
+                            not in _SHAPE_CHECKED_DTYPES:
+                        raise CheckpointError(f"{reader.file_of(name)}: tensor {name} is stored as "
+                                              f"{reader.stored_dtype(name)}; the model expects a float tensor")
+                shapes = [reader.shape(n) for n in names]
+                shape = shapes[0] if len(shapes) == 1 else (sum(s[0] for s in shapes), *shapes[0][1:])
+                if shape != model_shape:
+                    raise CheckpointError(f"{reader.file_of(names[0])}: tensor {names[0]} has shape {shape}; "
+                                          f"{type(self.model).__name__} expects {model_shape} (from config.json)")
         prefixes = [p for u in self._units for _, p in self._pieces(u)]
-        stray = [k for k in self.reader.keys() if not any(k.startswith(p) for p in prefixes)]
-        if stray:
-            raise ValueError(f"{self.model_path}: checkpoint tensor {stray[0]!r} (and {len(stray) - 1} more) "
-                             f"belongs to no part of {type(self.model).__name__}")
+        for key in sorted(available - expected):
+            match = _EXPERT_RE.search(key)
+            if match and any(key.startswith(p) for p in prefixes):
+                index = int(match.group(1))
+                if index >= self.num_experts:
+                    raise CheckpointError(f"{reader.file_of(key)}: tensor {key} belongs to expert {index}, but "
+                                          f"config.json has num_experts={self.num_experts}")
+                if index not in self.expert_range:
+                    continue  # another rank's expert: that rank checks it
+            raise CheckpointError(f"{reader.file_of(key)}: tensor {key} belongs to no module of "
+                                  f"{type(self.model).__name__} (an extra tensor, or a config.json that does not "
+                                  f"match the weights)")
+        reader.close()
 
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
         reader = reader or self.reader
@@ -182,7 +268,7 @@ class KimiK3ModelAdapter(ModelAdapter):
                 if name not in available:
                     raise KeyError(f"{self.model_path}: tensor {name!r} of unit {unit.name} is missing "
                                    f"from the checkpoint")
-            parts = [reader.get(n, device) for n in names]
+            parts = [self._read_tensor(reader, unit, n, device) for n in names]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tensor.is_floating_point() and tensor.dtype != torch.float32:
                 tensor = tensor.to(self.dtype)
@@ -206,6 +292,23 @@ class KimiK3ModelAdapter(ModelAdapter):
             self.reader.close()  # unmap the shards: their pages would otherwise stay resident for the whole run
         return module
 
+    def _read_tensor(self, reader: Any, unit: Unit, name: str, device: torch.device) -> torch.Tensor:
+        """One tensor of `unit`; what only the data can show (a truncated body, an E8M0 NaN scale, NaN/Inf
+        weights) is a CheckpointError naming the unit, the file and the tensor."""
+        where = reader.file_of(name) if hasattr(reader, "file_of") else self.model_path
+        try:
+            tensor = reader.get(name, device)
+        except CheckpointError:
+            raise
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise CheckpointError(f"{where}: tensor {name} of unit {unit.name} cannot be read: "
+                                  f"{_one_line(exc)}") from None
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{where}: tensor {name} of unit {unit.name} has {bad} non-finite value(s) "
+                                  f"(NaN/Inf); refusing to quantize it")
+        return tensor
+
     def free_unit(self, unit: Unit, module: nn.Module) -> None:
         module.to("meta")
 
@@ -228,25 +331,38 @@ class KimiK3ModelAdapter(ModelAdapter):
         return self._processor
 
     def prepare_samples(self, records: list[Any], max_seq_len: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """Model inputs per record, each cut to `max_seq_len` tokens (an image record keeps all of its image
+        tokens, which come first: a cap below their count only drops its text)."""
         from PIL import Image
 
-        samples = []
+        samples, cut = [], 0
         for record in records:
             image = getattr(record, "image", None)
             if image is not None and not self.is_multimodal:
-                raise ValueError(f"calibration record with image {image} given to text-only model "
-                                 f"{self.model_path}; use a text dataset")
+                raise UserError(f"calibration record with image {image} given to text-only model "
+                                f"{self.model_path}; use a text dataset")
             if image is None:
-                ids = self.tokenizer(record.text, add_special_tokens=True, return_tensors="pt")["input_ids"]
-                if max_seq_len:
-                    ids = ids[:, :max_seq_len]
-                samples.append({"input_ids": ids})
-                continue
-            with Image.open(image) as img:
-                rgb = img.convert("RGB")
-            inputs = self.processor(text=self.processor.image_token + record.text, images=[rgb],
-                                    return_tensors="pt")
-            samples.append({k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "image_grid_hws")})
+                sample = {"input_ids": self.tokenizer(record.text, add_special_tokens=True,
+                                                      return_tensors="pt")["input_ids"]}
+            else:
+                with Image.open(image) as img:
+                    rgb = img.convert("RGB")
+                inputs = self.processor(text=self.processor.image_token + record.text, images=[rgb],
+                                        return_tensors="pt")
+                sample = {k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "image_grid_hws")}
+            ids = sample["input_ids"]
+            if max_seq_len and ids.shape[1] > max_seq_len:
+                keep = max_seq_len
+                if image is not None:
+                    media = (ids[0] == self.config.media_placeholder_token_id).nonzero()
+                    keep = max(keep, int(media[-1]) + 1 if len(media) else 0)
+                if keep < ids.shape[1]:
+                    sample["input_ids"] = ids[:, :keep]
+                    cut += 1
+            samples.append(sample)
+        if cut:
+            logger.info("calibration: %d of %d records cut to spec.max_seq_len=%d tokens", cut, len(records),
+                        max_seq_len)
         return samples
 
     def _causal_mask(self, hidden: torch.Tensor) -> Any:
@@ -314,6 +430,10 @@ class KimiK3ModelAdapter(ModelAdapter):
         from msmodelslim.model.kimi_k3 import smooth
 
         return smooth.smooth_subgraphs(unit, module)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _tensor_slots(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool]]:

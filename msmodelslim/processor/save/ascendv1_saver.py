@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import (
     DESCRIPTION_NAME,
     FLOAT,
@@ -52,6 +52,7 @@ from msmodelslim.formats.ascendv1 import (
     is_int4,
     shard_name,
 )
+from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.base import Unit
 from msmodelslim.processor.save.base import Saver, SaverConfig, register_saver
 from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear
@@ -61,11 +62,19 @@ logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-_COPY_SUFFIXES = (".json", ".py", ".txt", ".model", ".jinja", ".tiktoken")
-_SOURCE_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# What a serving engine reads beside the weights: configuration, tokenizer, processor and chat template files by
+# name, and the remote-code modules. Nothing else of the model directory is copied (no notes, no links out).
+CONSUMER_FILES = frozenset({
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "tiktoken.model",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json",
+})
+CONSUMER_SUFFIXES = (".py", ".tiktoken")
 _PARTIAL = ".rank{rank:05d}.partial.json"
 _TMP_SHARD = ".rank{rank:05d}-part{part:05d}.safetensors"
 GIB = 1024**3
+MAX_PART_GIB = 1024  # a shard above 1 TiB is a typo, not a plan
 
 
 @dataclass
@@ -80,8 +89,8 @@ class AscendV1SaverConfig(SaverConfig):
 
     def validate(self) -> None:
         if isinstance(self.part_file_size, bool) or not isinstance(self.part_file_size, (int, float)) \
-                or not self.part_file_size > 0:
-            raise ValueError(f"ascendv1_saver.part_file_size must be a positive number of GB, "
+                or not 0 < self.part_file_size <= MAX_PART_GIB:
+            raise ValueError(f"ascendv1_saver.part_file_size must be a number of GiB in (0, {MAX_PART_GIB}], "
                              f"got {self.part_file_size!r}")
         if self.float_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"ascendv1_saver.float_dtype must be one of {sorted(_FLOAT_DTYPES)}, "
@@ -96,25 +105,31 @@ class AscendV1SaverConfig(SaverConfig):
 
 def source_float_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
     """name -> dtype of every floating tensor stored in a safetensors checkpoint (headers only)."""
+    from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
+
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f).get("weight_map", {}).values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    try:
+        reader = open_checkpoint(model_dir)
+    except CheckpointError:
         return {}
     out: dict[str, torch.dtype] = {}
-    for file in files:
-        path = model_dir / file
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__" and info.get("dtype") in _ST_DTYPES:
-                out[name] = _ST_DTYPES[info["dtype"]]
+    for name in reader.stored_keys():
+        dtype = _ST_DTYPES.get(reader.stored_dtype(name)) if name in reader else None
+        if dtype is not None:
+            out[name] = dtype
+    reader.close()
     return out
+
+
+class NonFiniteError(UserError):
+    """A tensor about to be written holds NaN or Inf (from the source, or produced by a processor)."""
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteError(f"tensor {name} has {bad} non-finite value(s) (NaN/Inf) after processing; "
+                             f"nothing was written (check the processors of the practice on this layer)")
 
 
 def scale_bias(q: torch.Tensor, scale: torch.Tensor, splits: int = 1) -> torch.Tensor:
@@ -145,14 +160,24 @@ def clean_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def consumer_files(model_dir: Path) -> list[Path]:
+    """The model directory's top-level files a consumer needs: regular files (no links) of the known kinds."""
+    model_dir = Path(model_dir)
+    found = []
+    for src in sorted(model_dir.iterdir()):
+        if src.is_symlink() or not src.is_file():
+            continue  # a link could point anywhere on this machine: its target is not the model's to publish
+        if src.name in CONSUMER_FILES or src.name.endswith(CONSUMER_SUFFIXES):
+            found.append(src)
+    return found
+
+
 def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]:
     """Copy config / tokenizer / processor / remote-code files of the model directory (top level only)."""
     copied = []
-    for src in sorted(Path(model_dir).iterdir()):
+    for src in consumer_files(model_dir):
         name = src.name
-        if not src.is_file() or name in skip or name in _SOURCE_INDEXES or name.endswith(".safetensors.index.json"):
-            continue
-        if not (name.endswith(_COPY_SUFFIXES) or name.startswith("tokenizer")):
+        if name in skip:
             continue
         if name == "config.json":
             with open(src, encoding="utf-8") as f:
@@ -161,7 +186,7 @@ def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str
                 json.dump(config, f, indent=2, ensure_ascii=False)
                 f.write("\n")
         else:
-            shutil.copy2(src, out_dir / name)
+            shutil.copyfile(src, out_dir / name)
         copied.append(name)
     return copied
 
@@ -238,6 +263,7 @@ class AscendV1Saver(Saver):
     def _add(self, name: str, tensor: torch.Tensor, qtype: str) -> None:
         if name in self._description:
             raise ValueError(f"tensor {name!r} was yielded twice by checkpoint_state")
+        check_finite(name, tensor)
         t = _cpu_copy(tensor)
         nbytes = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + nbytes > self._limit:
@@ -304,6 +330,9 @@ class AscendV1Saver(Saver):
         header: dict[str, Any] = {"model_quant_type": max(types, key=lambda t: SEVERITY[t]), "version": FORMAT_VERSION}
         if any(is_int4(t) for t in types):
             header["group_size"] = 0  # per-channel int4 (vLLM-Ascend assumes 256 when the key is absent)
+        metadata = dict(metadata or {})
+        if getattr(self.adapter, "model_path", None):
+            metadata["source"] = source_identity(self.adapter.model_path)  # `msmodelslim eval` checks it
         if metadata:
             header["metadata"] = metadata
         with open(self.work_dir / DESCRIPTION_NAME, "w", encoding="utf-8") as f:

@@ -1,0 +1,150 @@
+"""Every fault a user can hand `msmodelslim quant` is one line `msmodelslim: error: ...` naming the file, tensor,
+key or value, exit status 2, and nothing left behind: no output, no temporary directory, no failure folder.
+
+Reference: the exact exit status, the number of lines on stderr (one), a regex for that line per case (faults.py),
+and a listing of the save directory's parent before and after. The broken inputs are built from copies of the
+one tiny Kimi-K3 checkpoint of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.cli.main import main
+
+from .faults import FAULTS
+
+ERROR_LINE = re.compile(r"^msmodelslim: error: (.+)$")
+
+
+def failure_folders() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("msmodelslim-failures-*")}
+
+
+def quant_args(model: Path, save: Path, extra: list[str]) -> list[str]:
+    args = ["quant", "--model_path", str(model), "--save_path", str(save), "--device", "cpu",
+            "--model_type", "Kimi-K3", "--trust_remote_code", "True"]
+    if "--config_path" not in extra:
+        args += ["--quant_type", "w4a8"]
+    return args + extra
+
+
+@pytest.fixture
+def broken_copy(tiny_k3_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(a writable copy of the checkpoint, a workspace that is also the parent of --save_path)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    workspace = tmp_path / "work"
+    workspace.mkdir()
+    return model, workspace
+
+
+@pytest.mark.parametrize("case", sorted(FAULTS))
+def test_fault_is_one_error_line_exit_2_and_leaves_nothing(case, broken_copy, capsys):
+    model, workspace = broken_copy
+    fault, expected = FAULTS[case]
+    extra = fault(model, workspace)
+    before = sorted(p.name for p in workspace.iterdir())
+    folders = failure_folders()
+    code = main(quant_args(model, workspace / "out", extra))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, f"{case}: exit {code}\n" + "\n".join(err[-20:])
+    errors = [line for line in err if ERROR_LINE.match(line)]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), f"{case}: {err[-20:]}"
+    assert re.search(expected, errors[0]), f"{case}: {errors[0]!r} does not match {expected!r}"
+    assert sorted(p.name for p in workspace.iterdir()) == before, f"{case}: left {os.listdir(workspace)}"
+    assert failure_folders() == folders
+
+
+def test_locked_save_path_is_refused_at_once(tiny_k3_checkpoint, tmp_path, capsys):
+    import fcntl
+
+    from msmodelslim.app.quant import _side_name
+
+    save = tmp_path / "out"
+    lock = _side_name(save, "lock")
+    with open(lock, "w") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        code = main(quant_args(tiny_k3_checkpoint, save, []))
+    err = capsys.readouterr().err
+    assert code == 2 and "another msmodelslim run (pid 4242) is writing it" in err
+    assert not save.exists()
+
+
+def test_full_disk_is_refused_before_the_run(tiny_k3_checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil as shutil_mod
+
+    from msmodelslim.app import quant as quant_mod
+
+    real = shutil_mod.disk_usage
+    monkeypatch.setattr(quant_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    code = main(quant_args(tiny_k3_checkpoint, tmp_path / "out", []))
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(r"has 0\.00 GiB free; the output of \S+ can take up to 0\.00 GiB", err), err
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k3_checkpoint, tmp_path, capsys):
+    # a symlink to any readable file must never reach the output; a 250-byte name is valid and must work
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (model / "notes.txt").symlink_to(secret)
+    (model / "README.txt").write_text("a note of the vendor")
+    (model / "tokenizer_config.json.bak").write_text("{}")
+    save = tmp_path / ("o" * 250)
+    code = main(quant_args(model, save, []))
+    assert code == 0, capsys.readouterr().err
+    names = {p.name for p in save.iterdir()}
+    assert not names & {"notes.txt", "README.txt", "tokenizer_config.json.bak"}
+    assert {"config.json", "tokenizer.json", "modeling_kimi_k3.py", "quant_model_description.json"} <= names
+    assert all(b"private" not in p.read_bytes() for p in save.iterdir())
+    modes = {oct(p.stat().st_mode & 0o777) for p in save.iterdir()}
+    assert modes == {"0o644"}, modes
+    assert sorted(os.listdir(tmp_path)) == sorted(["model", "secret.txt", save.name])  # no lock, no temp dir
+
+
+def test_eval_of_an_output_made_from_another_checkpoint_is_refused(tiny_k3_checkpoint, tmp_path, capsys):
+    from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / DESCRIPTION_NAME).write_text('{"version": "1.0.0", "metadata": {"source": {"config_sha256": "abc"}}}')
+    (out / "quant_model_weights.safetensors.index.json").write_text('{"weight_map": {}}')
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 200)
+    code = main(["eval", "--model_path", str(tiny_k3_checkpoint), "--quant_path", str(out), "--dataset", str(text),
+                 "--trust_remote_code", "True"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.match(r"msmodelslim: error: --quant_path .* was quantized from another checkpoint than "
+                    r"--model_path .* \(source config_sha256 abc != [0-9a-f]{64}\)", err[0]), err
+
+
+def test_eval_of_a_missing_output_is_one_line(tiny_k3_checkpoint, tmp_path, capsys):
+    code = main(["eval", "--model_path", str(tiny_k3_checkpoint), "--quant_path", str(tmp_path / "nope"),
+                 "--dataset", str(tmp_path / "t.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("msmodelslim: error: "), err
+
+
+def test_long_calibration_record_is_cut_to_the_default_token_cap(tiny_k3_checkpoint):
+    # a 1 MB record would be ~600k tokens; the default cap (spec.max_seq_len absent) keeps the run bounded
+    from msmodelslim.core.calib import CalibRecord
+    from msmodelslim.core.config import DEFAULT_MAX_SEQ_LEN
+    from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+
+    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
+        samples = adapter.prepare_samples([CalibRecord(text="word " * 20000), CalibRecord(text="a short one")],
+                                          max_seq_len=DEFAULT_MAX_SEQ_LEN)
+    assert samples[0]["input_ids"].shape == (1, DEFAULT_MAX_SEQ_LEN)
+    assert samples[1]["input_ids"].shape[1] < 16

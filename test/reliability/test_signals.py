@@ -1,0 +1,140 @@
+"""Stopping a run stops all of it: SIGINT / SIGTERM / SIGKILL of the main process, on one device and on two ranks,
+leave no process, no output, no temporary directory, no lock and no failure folder, and exit 130 / 143. A preset
+MASTER_ADDR / MASTER_PORT is honoured, and a rendezvous that cannot happen fails with one line, not a hang.
+
+Reference: exit statuses, the process table (every process of a run carries a marker in its environment), and
+listings of the save directory's parent and of the run's private TMPDIR. Real `msmodelslim quant` subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
+
+
+def marked_processes(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if f"{MARKER_ENV}={marker}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+class Run:
+    """`msmodelslim quant` in a subprocess, its stderr collected line by line."""
+
+    def __init__(self, model: Path, workspace: Path, device: str, env: dict[str, str] | None = None) -> None:
+        self.marker = uuid.uuid4().hex
+        self.workspace = workspace
+        self.tmp = workspace.parent / "tmp"
+        self.tmp.mkdir(exist_ok=True)
+        full_env = {**os.environ, MARKER_ENV: self.marker, "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
+        cmd = [sys.executable, "-m", "msmodelslim.cli.main", "quant", "--model_path", str(model),
+               "--save_path", str(workspace / "out"), "--device", device, "--model_type", "Kimi-K3",
+               "--quant_type", "w4a8", "--trust_remote_code", "True"]
+        self.proc = subprocess.Popen(cmd, env=full_env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._reader.start()
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"never saw {text!r}; stderr:\n" + "".join(self.lines[-30:]))
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + 15
+        while marked_processes(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marked_processes(self.marker) == [], "processes of the run are still alive"
+        assert sorted(os.listdir(self.workspace)) == [], f"left in the save parent: {os.listdir(self.workspace)}"
+        assert [p for p in os.listdir(self.tmp) if p.startswith("msmodelslim-")] == []
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_the_main_process_stops_every_rank_and_removes_the_output(tiny_k3_checkpoint, workspace, signum,
+                                                                            code):
+    port = free_port()
+    run = Run(tiny_k3_checkpoint, workspace, "cpu:0,1", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    run.wait_for("rank 1/2 holds experts")  # both ranks are up and computing
+    assert any(f"ranks meet at 127.0.0.1:{port} (from MASTER_ADDR/MASTER_PORT)" in line for line in run.lines)
+    time.sleep(1.0)
+    run.proc.send_signal(signum)
+    assert run.finish() == code
+    run.assert_nothing_left()
+
+
+def test_sigterm_of_a_one_process_run_leaves_nothing(tiny_k3_checkpoint, workspace):
+    run = Run(tiny_k3_checkpoint, workspace, "cpu")
+    run.wait_for("rank 0/1 holds experts")
+    time.sleep(1.0)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 143
+    run.assert_nothing_left()
+
+
+def test_killed_main_process_takes_its_ranks_and_their_output_with_it(tiny_k3_checkpoint, workspace):
+    run = Run(tiny_k3_checkpoint, workspace, "cpu:0,1")
+    run.wait_for("rank 1/2 holds experts")
+    time.sleep(1.0)
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
+    run.assert_nothing_left()
+
+
+def test_rendezvous_that_cannot_happen_fails_with_one_line(tiny_k3_checkpoint, workspace):
+    # MASTER_PORT held by a listener that is no rendezvous store: rank 0 cannot serve it, rank 1 cannot use it
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        start = time.monotonic()
+        run = Run(tiny_k3_checkpoint, workspace, "cpu:0,1",
+                  env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MSMODELSLIM_RENDEZVOUS_TIMEOUT": "5"})
+        code = run.finish(timeout=120)
+    assert code == 2, "".join(run.lines[-20:])
+    errors = [line for line in run.lines if line.startswith("msmodelslim: error: ")]
+    assert len(errors) == 1 and "Traceback" not in "".join(run.lines), "".join(run.lines[-20:])
+    assert f"no rendezvous at 127.0.0.1:{port} (from MASTER_ADDR/MASTER_PORT) within 5 s" in errors[0]
+    assert time.monotonic() - start < 90
+    run.assert_nothing_left()
