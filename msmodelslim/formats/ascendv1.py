@@ -46,9 +46,7 @@ SEVERITY = {FLOAT: 0, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 2, "W4A4_DYNAMIC": 3}
 
 
 def shard_name(index: int, total: int) -> str:
-    """File name of shard `index` (1-based) of `total`; a single shard is `quant_model_weights.safetensors`."""
-    if total == 1:
-        return WEIGHTS_NAME
+    """File name of shard `index` (1-based) of `total`, numbered even when alone (as msModelSlim names it)."""
     return f"quant_model_weights-{index:05d}-of-{total:05d}.safetensors"
 
 
@@ -85,6 +83,9 @@ class AscendV1Reader:
         undescribed = sorted(set(self.weight_map) - set(self.description))
         if undescribed:
             raise AscendV1Error(f"{desc_path}: tensor {undescribed[0]!r} is stored but not described")
+        # `<fused layer>.weight` keys are for the engine's lookup and name no tensor
+        self.fused_layers = {k: self.description.pop(k) for k in
+                             (self.header.get("metadata") or {}).get("fused_layers", ()) if k in self.description}
         missing = sorted(set(self.description) - set(self.weight_map))
         if missing:
             raise AscendV1Error(f"{self.out_dir}: described tensor {missing[0]!r} is in no shard")

@@ -40,6 +40,10 @@ class ModelAdapter(ABC):
     def check_config(cls, config: dict[str, Any], config_file: Path, model_type: str) -> None:
         """Raise UserError for a config.json the adapter cannot serve as `model_type` (before anything runs)."""
 
+    def output_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The source config.json as the output carries it (flags the serving engine needs added)."""
+        return config
+
     def close(self) -> None:
         """Undo whatever the adapter patched into the checkpoint's classes (idempotent)."""
 
@@ -57,6 +61,20 @@ class ModelAdapter(ABC):
     def unit_module(self, unit: Unit) -> nn.Module:
         """The unit's module as built on the meta device, before loading (for plans made before any compute)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose unit skeletons")
+
+    def linear_names(self) -> list[tuple[Unit, str]]:
+        """(unit, serving name) of every nn.Linear of the model, from the skeletons (no weights needed)."""
+        out = []
+        for unit in self.units():
+            for live_name, mod in self.unit_module(unit).named_modules():
+                if live_name and isinstance(mod, nn.Linear):
+                    out.append((unit, self.checkpoint_name(unit, live_name)))
+        return out
+
+    def fused_groups(self) -> list[tuple[str, list[str]]]:
+        """(fused layer name, serving names of its shards): linears the serving engine runs as one layer with one
+        quantization scheme. Empty when the engine fuses nothing."""
+        return []
 
     @abstractmethod
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -20,6 +21,20 @@ class ProcessorConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field for values out of range."""
+
+
+@dataclass
+class Extras:
+    """What processors add to an output besides the weights: entries of the description's top-level `optional`
+    block and extra tensor files (path relative to the output -> tensors), written once, by rank 0."""
+
+    optional: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def update(self, other: Extras | None) -> None:
+        if other is not None:
+            self.optional.update(other.optional)
+            self.files.update(other.files)
 
 
 class Processor(ABC):
@@ -44,6 +59,10 @@ class Processor(ABC):
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
         return {}
+
+    def extras(self) -> Extras | None:
+        """Files and `optional` description entries the serving side reads (e.g. QuaRot's global rotation)."""
+        return None
 
     def require_float_weight(self, unit_name: str, name: str, module: nn.Module) -> None:
         """Refuse a module whose weight is already integer: float transforms must run before linear_quant."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.errors import UserError
+from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.quant.granularity import int_dtype
 from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, quantize_weight, scheme_for
@@ -164,13 +165,9 @@ class LinearQuantProcessor(Processor):
         """Count the linears the globs select on the model's skeleton; selecting none is an error (the practice
         would run for hours and write a FLOAT model)."""
         cfg = self.config
-        names, matched = [], 0
-        for unit in adapter.units():
-            for live_name, mod in adapter.unit_module(unit).named_modules():
-                if live_name and isinstance(mod, nn.Linear):
-                    ckpt = adapter.checkpoint_name(unit, live_name)
-                    names.append(ckpt)
-                    matched += select(ckpt, unit.kind, cfg.include, cfg.exclude)
+        linears = adapter.linear_names()
+        names = [name for _, name in linears]
+        matched = sum(select(name, unit.kind, cfg.include, cfg.exclude) for unit, name in linears)
         if not matched:
             example = names[len(names) // 2] if names else "(none)"
             raise UserError(f"linear_quant ({cfg.scheme.name}): include {cfg.include} exclude {cfg.exclude} selects "
@@ -203,7 +200,8 @@ class LinearQuantProcessor(Processor):
         dist, scheme, method = ctx.dist, self.config.scheme, self.config.qconfig.weight.method
 
         def quantize(name: str) -> tuple:
-            return quantize_weight(linears[name].weight.detach(), scheme.weight, method)
+            return quantize_weight(linears[name].weight.detach(), scheme.weight, method,
+                                   scale_dtype=scheme.engine_scale_dtype)
 
         replicated = [n for n in linears if dist.is_distributed and not ctx.adapter.is_expert(n)]
         owner = assign_owners({n: linears[n].weight.numel() for n in replicated}, dist.world_size)
@@ -217,3 +215,26 @@ class LinearQuantProcessor(Processor):
 
     def describe(self) -> dict[str, Any]:
         return {}
+
+
+def planned_schemes(processors: list[Processor], adapter: Any) -> dict[str, str]:
+    """Serving name -> the scheme each linear of the model will get: that of the first linear_quant entry (in YAML
+    order) selecting it, as process_unit applies them, else FLOAT."""
+    quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
+    return {name: next((q.scheme.name for q in quantizers if select(name, unit.kind, q.include, q.exclude)), FLOAT)
+            for unit, name in adapter.linear_names()}
+
+
+def check_fused_groups(processors: list[Processor], adapter: Any) -> None:
+    """Refuse a practice that would give the shards of one serving-engine layer different schemes: vllm-ascend
+    loads such a layer with one scheme and rejects a mixed one (`modelslim_config.py:695-700`)."""
+    plan = planned_schemes(processors, adapter)
+    for group, shards in adapter.fused_groups():
+        schemes = {}
+        for shard in shards:
+            schemes.setdefault(plan[shard], shard)
+        if len(schemes) > 1:
+            detail = "; ".join(f"{shard} is {scheme}" for scheme, shard in schemes.items())
+            members = sorted({s.rsplit(".", 1)[-1] if ".experts." not in s else "experts.*" for s in shards})
+            raise UserError(f"spec.process: the serving engine runs {group} as one layer with one scheme, but the "
+                            f"practice splits it ({detail}); include or exclude {', '.join(members)} together")

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
-from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.processor.base import Extras, Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.spans import WHOLE, Span
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ MLA_V = "mla_v"  # MLA per-head values (kv_b_proj V rows -> attention -> o_proj 
 SPACES = (HIDDEN, LATENT, KV_LORA, MLA_V)
 
 ONLINE_BUFFER = "online_rotation"
+GLOBAL_ROTATION_FILE = "optional/quarot.safetensors"  # msModelSlim's name for the published residual Q
 _ROW_CHUNK = 8192  # rows rotated at once (embedding tables and lm_head have ~1e5 rows)
 ONLINE_CONVENTION = "x_rot = x @ online_rotation.T (F.linear(x, online_rotation)); weight stored as W @ online_rotation.T"
 
@@ -240,6 +241,19 @@ class QuaRotProcessor(Processor):
                 mod = get(name)
                 size = mod.weight.shape[-1]
                 rotate_online(mod, self.online_rotation(size).to(mod.weight.device), self.dtype)
+
+    def extras(self) -> Extras | None:
+        """The residual-stream Q as msModelSlim publishes it: `optional.quarot.rotation_map.global_rotation` names
+        a file holding tensor `global_rotation` [hidden, hidden] (the stored model reads h_rot = h @ Q); vllm-ascend
+        reads it to rotate what a drafter takes from the target (`patch/worker/patch_draft_quarot.py:42-70`)."""
+        hidden = [size for space, size in self._q if space == HIDDEN]
+        if not hidden:
+            return None
+        if len(hidden) > 1:
+            raise RuntimeError(f"quarot: the residual space was rotated at several sizes {sorted(hidden)}")
+        q = self._q[(HIDDEN, hidden[0])].to(torch.float32)
+        return Extras(optional={"quarot": {"rotation_map": {"global_rotation": GLOBAL_ROTATION_FILE}}},
+                      files={GLOBAL_ROTATION_FILE: {"global_rotation": q}})
 
     def describe(self) -> dict[str, Any]:
         """{"quarot": seed, spaces and online sizes}: the same on every rank (no per-rank counts)."""

@@ -37,14 +37,20 @@ ONLINE_ROTATION = "online_rotation"
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """A dynamic (per-token activation) scheme with per-channel symmetric weights; `name` is its AscendV1 type."""
+    """A dynamic (per-token activation) scheme with per-channel symmetric weights; `name` is its AscendV1 type.
+
+    `engine_scale_dtype`: the dtype the serving engine holds the weight scale in. vllm-ascend keeps W8A8_DYNAMIC
+    scales in the model dtype (bf16; `w8a8_dynamic.py:71`) but W4A8_DYNAMIC MoE scales in fp32 (`w4a8.py:449-486`),
+    so W8A8 weights are quantized against the bf16-rounded scale: the stored integers are exact for the scale the
+    engine multiplies by (an fp32 scale would carry a per-channel gain error of up to 2^-9 = 0.2 %)."""
 
     name: str
     weight: IntDtype
     act: IntDtype
+    engine_scale_dtype: torch.dtype = torch.float32
 
 
-W8A8_DYNAMIC = QuantScheme("W8A8_DYNAMIC", int8, int8)
+W8A8_DYNAMIC = QuantScheme("W8A8_DYNAMIC", int8, int8, engine_scale_dtype=torch.bfloat16)
 W4A8_DYNAMIC = QuantScheme("W4A8_DYNAMIC", int4, int8)
 W4A4_DYNAMIC = QuantScheme("W4A4_DYNAMIC", int4, int4)  # stress variant: int4 per-token activations
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC)}
@@ -72,15 +78,22 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
     return F.linear(x.to(torch.float32), rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
 
 
-def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz",
-                    ssz_iters: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1])."""
+def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_iters: int = 50,
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1]).
+
+    The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
+    positive one), and q is computed against exactly that value."""
     if method == "minmax":
-        return quantize_symmetric(w, dtype, PerChannel())
-    if method == "ssz":
+        _, scale = quantize_symmetric(w, dtype, PerChannel())
+    elif method == "ssz":
         scale = ssz_scale_search(w, dtype, iters=ssz_iters)
-        return quantize_with_scale(w, scale, dtype), scale
-    raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
+    else:
+        raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
+    if scale_dtype != torch.float32:
+        tiny = torch.finfo(scale_dtype).tiny
+        scale = scale.to(scale_dtype).to(torch.float32).clamp_min(tiny)
+    return quantize_with_scale(w, scale, dtype), scale.to(torch.float32)
 
 
 def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
@@ -130,7 +143,8 @@ class QuantLinear(nn.Module):
         """
         sch = get_scheme(scheme)
         w = linear.weight.detach()
-        q, scale = quantized if quantized is not None else quantize_weight(w, sch.weight, weight_method, ssz_iters)
+        q, scale = quantized if quantized is not None else quantize_weight(w, sch.weight, weight_method, ssz_iters,
+                                                                           sch.engine_scale_dtype)
         rot = getattr(linear, ONLINE_ROTATION, None)
         return cls(linear.in_features, linear.out_features, sch, q, scale,
                    bias=None if linear.bias is None else linear.bias.detach(),

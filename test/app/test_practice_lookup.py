@@ -88,3 +88,24 @@ def test_shipped_practices_validate_against_the_real_processors(path):
     assert [e.type for e in practice.spec.process][-1] == "linear_quant"
     if path.parent.name == "recipes":
         assert practice.metadata.score == 0
+
+
+@pytest.mark.parametrize("practice", ["kimi_k3_w4a8", "kimi_k3_w8a8"])
+def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice, tiny_k3_checkpoint):
+    # reference: the fused groups of vLLM 0.33 (model/kimi_k3/serving.py); every shard of a group must get the
+    # scheme of the first shard, and the quantized groups must include the KDA in_proj and the experts
+    from msmodelslim.core.config import load_practice
+    from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+    from msmodelslim.processor.base import PROCESSORS
+    from msmodelslim.processor.linear_quant import check_fused_groups, planned_schemes
+
+    spec = load_practice(resource_path("lab_practice") / "kimi_k3" / f"{practice}.yaml").spec
+    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
+        processors = [PROCESSORS[e.type](e.config, adapter) for e in spec.process]
+        check_fused_groups(processors, adapter)
+        plan = planned_schemes(processors, adapter)
+        groups = dict(adapter.fused_groups())
+    kda = next(g for g in groups if g.endswith("in_proj_qkvgfab"))
+    assert {plan[s] for s in groups[kda]} == {"W8A8_DYNAMIC"} and len(groups[kda]) == 5
+    moe = next(g for g in groups if g.endswith("experts"))
+    assert len({plan[s] for s in groups[moe]}) == 1 and plan[groups[moe][0]] != "FLOAT"

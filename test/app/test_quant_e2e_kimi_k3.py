@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from msmodelslim.app.resources import resource_path
 from msmodelslim.cli.main import main
@@ -42,15 +43,36 @@ def test_quant_w4a8_tiny_kimi_k3(tiny_k3, tmp_path, capsys):
     assert scheme_of(description, r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$") == {"W4A8_DYNAMIC"}
     for pattern in (r"shared_experts\.\w+_proj\.weight$", r"latent_(down|up)_proj\.weight$",
                     r"self_attn\.(q|k|v|o)_proj\.weight$", r"mlp\.\w+_proj\.weight$",
-                    r"kv_a_proj_with_mqa\.weight$"):
+                    r"kv_a_proj_with_mqa\.weight$", r"self_attn\.(b|f_a)_proj\.weight$"):
         assert scheme_of(description, pattern) == {"W8A8_DYNAMIC"}, pattern
-    for pattern in (r"kv_b_proj\.weight$", r"self_attn\.[fg]_[ab]_proj\.weight$", r"self_attn\.b_proj\.weight$",
+    for pattern in (r"kv_b_proj\.weight$", r"self_attn\.(f_b|g_a|g_b)_proj\.weight$",
                     r"^vision_tower\.", r"^mm_projector\.", r"lm_head\.weight$", r"embed_tokens\.weight$",
                     r"norm\.weight$", r"block_sparse_moe\.gate\.weight$"):
         assert scheme_of(description, pattern) == {"FLOAT"}, pattern
     config = json.loads((save / "config.json").read_text())
     assert "quantization_config" not in config and "quantization_config" not in config.get("text_config", {})
+    assert config["text_config"]["mla_use_nope"] is True  # vLLM's Kimi MLA asserts it
     assert any(save.glob("quant_model_weights*.safetensors"))
+    check_published_rotation(tiny_k3, save, description)
+
+
+def check_published_rotation(source: Path, save: Path, description: dict) -> None:
+    """The residual Q under `optional`, as msModelSlim publishes it and vllm-ascend reads it: an orthogonal
+    [hidden, hidden] tensor `global_rotation` with stored embedding = source embedding @ Q (reference: float64
+    product of the source bf16 table; tolerance: the bf16 rounding of the stored table, 2^-8 relative)."""
+    from safetensors.torch import load_file
+
+    from msmodelslim.formats.ascendv1 import AscendV1Reader
+    from msmodelslim.formats.checkpoint import open_checkpoint
+
+    rel = description["optional"]["quarot"]["rotation_map"]["global_rotation"]
+    q = load_file(str(save / rel))["global_rotation"].double()
+    assert torch.allclose(q @ q.T, torch.eye(q.shape[0], dtype=torch.float64), atol=1e-6)
+    name = "language_model.model.embed_tokens.weight"
+    src = open_checkpoint(source).get(name).double()
+    out = AscendV1Reader(save).get(name, dtype=torch.float64)
+    assert q.shape[0] == src.shape[1]
+    assert float((out - src @ q).abs().max()) <= 2**-8 * float(src.abs().max()) * 2
 
 
 def test_remote_code_refused_without_trust(tiny_k3, tmp_path, capsys):

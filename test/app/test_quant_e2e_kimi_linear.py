@@ -40,7 +40,7 @@ def test_quant_w4a8_kimi_linear_mini(tmp_path, capsys):
     description = json.loads((save / "quant_model_description.json").read_text())
     assert scheme_of(description, r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$") == {"W4A8_DYNAMIC"}
     assert scheme_of(description, r"shared_experts\.\w+_proj\.weight$") == {"W8A8_DYNAMIC"}
-    assert scheme_of(description, r"layers\.0\.block_sparse_moe\.(gate|up|down)_proj\.weight$") == {"W8A8_DYNAMIC"}
+    assert scheme_of(description, r"layers\.0\.mlp\.(gate|up|down)_proj\.weight$") == {"W8A8_DYNAMIC"}
     assert scheme_of(description, r"self_attn\.(q|k|v|o)_proj\.weight$") == {"W8A8_DYNAMIC"}
     assert scheme_of(description, r"lm_head\.weight$|embed_tokens\.weight$|kv_b_proj\.weight$") == {"FLOAT"}
     assert (save / "Kimi-Linear_best_practice.yaml").read_bytes() == practice.read_bytes()

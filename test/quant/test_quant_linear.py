@@ -31,6 +31,9 @@ def test_forward_equals_explicit_dequantised_math(scheme, wbits, abits):
     lin = nn.Linear(96, 40, bias=True)
     ql = QuantLinear.from_linear(lin, scheme, weight_method="minmax")
     q_ref, s_ref = quantize_symmetric(lin.weight.detach(), wbits)
+    if wbits == 8:  # W8A8 scales are the bf16 value the engine holds (see the bf16 test below)
+        s_ref = s_ref.to(torch.bfloat16).to(torch.float32)
+        q_ref = quantize_with_scale(lin.weight.detach(), s_ref, wbits)
     assert torch.equal(ql.qweight, q_ref) and torch.equal(ql.weight_scale, s_ref)
     x = torch.randn(2, 9, 96)
     ref = _reference_forward(x, ql.qweight, ql.weight_scale, abits, lin.bias.detach())
@@ -82,3 +85,32 @@ def test_empty_batch_and_bad_scheme():
         QuantLinear.from_linear(nn.Linear(8, 4), "W9A9")
     with pytest.raises(ValueError, match="weight method"):
         QuantLinear.from_linear(nn.Linear(8, 4), "W8A8_DYNAMIC", weight_method="gptq")
+
+
+@pytest.mark.parametrize("method", ["minmax", "ssz"])
+def test_w8a8_weight_scales_are_exact_in_bf16_the_dtype_vllm_ascend_holds_them_in(method):
+    # reference: vllm-ascend keeps W8A8_DYNAMIC weight_scale in the model dtype (bf16); the integers must be the
+    # rounding of w at exactly that scale (tolerance: none, bitwise)
+    from msmodelslim.quant.functional import quantize_with_scale
+    from msmodelslim.quant.granularity import int8
+    from msmodelslim.quant.modules import W8A8_DYNAMIC, quantize_weight
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 256) * torch.logspace(-3, 1, 48)[:, None]
+    q, s = quantize_weight(w, int8, method, scale_dtype=W8A8_DYNAMIC.engine_scale_dtype)
+    assert s.dtype == torch.float32 and torch.equal(s.to(torch.bfloat16).to(torch.float32), s)
+    assert torch.equal(q, quantize_with_scale(w, s, int8))
+    linear = torch.nn.Linear(256, 48, bias=False)
+    linear.weight.data.copy_(w)
+    ql = QuantLinear.from_linear(linear, W8A8_DYNAMIC, weight_method=method)
+    assert torch.equal(ql.weight_scale.to(torch.bfloat16).to(torch.float32), ql.weight_scale)
+
+
+def test_w4a8_weight_scales_keep_full_fp32_precision():
+    # vllm-ascend's W4A8_DYNAMIC MoE parameters are fp32: rounding them to bf16 would only lose accuracy
+    from msmodelslim.quant.modules import W4A8_DYNAMIC
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=False)
+    ql = QuantLinear.from_linear(linear, W4A8_DYNAMIC, weight_method="minmax")
+    assert not torch.equal(ql.weight_scale.to(torch.bfloat16).to(torch.float32), ql.weight_scale)

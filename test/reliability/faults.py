@@ -263,6 +263,10 @@ def include_matches_nothing(model: Path, ws: Path) -> list[str]:
     return practice(ws, {first: 'include: ["*no_such_module*"]'})
 
 
+def practice_splits_fused_group(model: Path, ws: Path) -> list[str]:
+    return practice(ws, {'        - "*.self_attn.k_proj"\n': ""})
+
+
 def huge_calibration_image(model: Path, ws: Path) -> list[str]:
     data = ws / "calib"
     data.mkdir()
@@ -311,6 +315,11 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "no_quantizer": (no_quantizer, r"metadata\.label promises w4a8, but no processor listed quantizes linears"),
     "include_matches_nothing": (include_matches_nothing, r"include \['\*no_such_module\*'\] .* selects none of "
                                                          r"the model's \d+ linears"),
+    "practice_splits_fused_group": (practice_splits_fused_group,
+                                    r"spec\.process: the serving engine runs \S+layers\.0\.self_attn\.in_proj_qkvgfab "
+                                    r"as one layer with one scheme, but the practice splits it \(\S+q_proj is "
+                                    r"W8A8_DYNAMIC; \S+k_proj is FLOAT\); include or exclude b_proj, f_a_proj, "
+                                    r"k_proj, q_proj, v_proj together"),
     "huge_calibration_image": (huge_calibration_image, r"index\.jsonl:2: image 'big\.png' is 20000x20000 = 400 M "
                                                        r"pixels, above the 89 M pixel limit"),
     "save_parent_is_a_file": (save_parent_is_a_file, r"--save_path .*plain_file/out: cannot create .*plain_file"),

@@ -15,7 +15,7 @@ from ascendv1_toy import HIDDEN, INTER, UNIT, ToyAdapter, make_layer, quantize, 
 from safetensors import safe_open
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, AscendV1Error, AscendV1Reader
+from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.processor.save.base import SAVERS
 from msmodelslim.quant import QuantLinear, dequantize, unpack_int4
@@ -109,9 +109,11 @@ def test_model_files_copied_and_quantization_config_removed(tmp_path):
 
 
 def test_single_file_vs_multi_shard_by_part_file_size(tmp_path):
-    """Default 4 GiB -> one quant_model_weights.safetensors; a tiny limit -> k-of-N shards, same tensors."""
+    """Default 4 GiB -> one shard, numbered -00001-of-00001 as msModelSlim names it; a tiny limit -> k-of-N shards,
+    same tensors."""
     out1, _ = _save(tmp_path / "a")
-    assert sorted(n for n in os.listdir(out1) if n.endswith(".safetensors")) == [WEIGHTS_NAME]
+    assert sorted(n for n in os.listdir(out1) if n.endswith(".safetensors")) == [
+        "quant_model_weights-00001-of-00001.safetensors"]
     out2, _ = _save(tmp_path / "b", part_file_size=4000 / 1024**3)  # ~4 KB per shard
     shards = sorted(n for n in os.listdir(out2) if n.endswith(".safetensors"))
     total = len(shards)
@@ -159,7 +161,7 @@ def test_reader_errors_name_the_problem(tmp_path):
     with pytest.raises(AscendV1Error, match=DESCRIPTION_NAME):
         AscendV1Reader(out)
     out2, _ = _save(tmp_path / "b")
-    (out2 / WEIGHTS_NAME).unlink()
+    (out2 / "quant_model_weights-00001-of-00001.safetensors").unlink()
     with pytest.raises(AscendV1Error, match="missing"):
         AscendV1Reader(out2)
     with pytest.raises(AscendV1Error, match="quant_model_description"):

@@ -33,6 +33,7 @@ from msmodelslim.core.runner.layer_wise import LayerWiseRunner
 from msmodelslim.errors import UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
+from msmodelslim.processor.linear_quant import check_fused_groups
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         processors = _build(spec.process, PROCESSORS, adapter)
         for processor in processors:
             processor.preflight(adapter)  # a plan that matches nothing fails now, before any compute
+        check_fused_groups(processors, adapter)
         savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.

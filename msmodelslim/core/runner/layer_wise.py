@@ -23,7 +23,7 @@ from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.processor.base import Processor
+from msmodelslim.processor.base import Extras, Processor
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,13 @@ class LayerWiseRunner:
                 pool.shutdown(wait=True, cancel_futures=True)
 
         metadata: dict[str, Any] = {}
+        extras = Extras()
         for processor in self.processors:
             metadata.update(processor.describe())
+            extras.update(processor.extras())
         t0 = time.perf_counter()
         self.dist.barrier()
         for saver in self.savers:
-            saver.finalize(metadata)
+            saver.finalize(metadata, extras)
         self.stats.add("save", time.perf_counter() - t0)
         return self.stats

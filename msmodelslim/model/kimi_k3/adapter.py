@@ -187,6 +187,13 @@ class KimiK3ModelAdapter(ModelAdapter):
         return self.layers[unit.index]
 
     def checkpoint_name(self, unit: Unit, live_name: str) -> str:
+        """The name the serving engine builds (output files, description, practice globs)."""
+        return self._name(unit, live_name, source=False)
+
+    def _name(self, unit: Unit, live_name: str, source: bool) -> str:
+        """Full name of a live name: as the source checkpoint stores it (`source`) or as vLLM builds it. The two
+        differ only for transformers' native Kimi-Linear, whose conversion mapping stores dense MLPs under
+        `block_sparse_moe` like the sparse ones, while vLLM builds a dense layer's MLP at `mlp`."""
         for live_prefix, ckpt_prefix in self._pieces(unit):
             if live_name.startswith(live_prefix) or live_name + "." == live_prefix:
                 rest = live_name[len(live_prefix):] if live_name.startswith(live_prefix) else ""
@@ -194,21 +201,29 @@ class KimiK3ModelAdapter(ModelAdapter):
                     for old, new in _NATIVE_RENAMES:
                         if rest.startswith(old):
                             rest = new + rest[len(old):]
-                    # its conversion mapping stores dense and sparse MLPs alike under block_sparse_moe
-                    if rest == "mlp" or rest.startswith("mlp."):
+                    if (rest == "mlp" or rest.startswith("mlp.")) and (source or self._is_moe_layer(unit)):
                         rest = "block_sparse_moe" + rest[3:]
                 return (ckpt_prefix + rest).rstrip(".")
         raise KeyError(f"unit {unit.name}: {live_name!r} is not part of it")
+
+    def _is_moe_layer(self, unit: Unit) -> bool:
+        return hasattr(getattr(self.layers[unit.index], "mlp", None), "experts")
+
+    def _tensor_names(self, unit: Unit, live_name: str, source: bool) -> list[str]:
+        """The stored tensors one live tensor is made of (native Kimi-Linear fuses the q/k/v convs into one)."""
+        if self.is_native and unit.kind == "decoder" and live_name == _NATIVE_FUSED_CONV:
+            return [unit.prefix + part for part in _NATIVE_CONV_PARTS]
+        return [self._name(unit, live_name, source)]
+
+    def fused_groups(self) -> list[tuple[str, list[str]]]:
+        from msmodelslim.model.kimi_k3.serving import fused_groups
+
+        return fused_groups([name for _, name in self.linear_names()])
 
     def is_expert(self, name: str) -> bool:
         return _EXPERT_RE.search(name + ".") is not None
 
     # --- loading ---------------------------------------------------------------------------------------------
-    def _ckpt_tensor_names(self, unit: Unit, live_name: str) -> list[str]:
-        if self.is_native and unit.kind == "decoder" and live_name == _NATIVE_FUSED_CONV:
-            return [unit.prefix + part for part in _NATIVE_CONV_PARTS]
-        return [self.checkpoint_name(unit, live_name)]
-
     def check_checkpoint(self) -> None:
         """Headers only, before any compute: every tensor each unit needs is stored with its shape and a usable
         dtype (MXFP4 codes and scales consistent), and every stored tensor belongs to a module of the model (no
@@ -218,7 +233,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         expected: set[str] = set()
         for unit in self._units:
             for live_name, owner, attr, _ in _tensor_slots(self.unit_module(unit)):
-                names = self._ckpt_tensor_names(unit, live_name)
+                names = self._tensor_names(unit, live_name, source=True)
                 expected.update(names)
                 model_shape = tuple(getattr(owner, attr).shape)
                 for name in names:
@@ -252,7 +267,9 @@ class KimiK3ModelAdapter(ModelAdapter):
         reader.close()
 
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+        """`reader` defaults to the source checkpoint; any other (an AscendV1 output) is read by serving names."""
         reader = reader or self.reader
+        source = reader is self.reader
         available = set(reader.keys())
         module = self.unit_module(unit)
         persistent = {name for name, *_ in _tensor_slots(module)}
@@ -262,7 +279,7 @@ class KimiK3ModelAdapter(ModelAdapter):
                                    f"checkpoint; the adapter must recompute it")
         expected: set[str] = set()
         for live_name, owner, attr, is_param in _tensor_slots(module):
-            names = self._ckpt_tensor_names(unit, live_name)
+            names = self._tensor_names(unit, live_name, source)
             expected.update(names)
             for name in names:
                 if name not in available:
@@ -407,6 +424,20 @@ class KimiK3ModelAdapter(ModelAdapter):
                 ep_patches.ep_idle(block)
 
     # --- saving ----------------------------------------------------------------------------------------------
+    def output_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Every source field, plus the flags vLLM asserts: its Kimi MLA is NoPE-only and refuses a config without
+        `mla_use_nope: true` (vllm 0.33 `models/kimi_k3/nvidia/model.py:740-744`; KimiLinearConfig defaults it off)."""
+        config = dict(config)
+        holder = dict(config["text_config"]) if isinstance(config.get("text_config"), dict) else config
+        lac = holder.get("linear_attn_config") or {}
+        has_mla = bool(lac.get("full_attn_layers")) or not lac
+        if has_mla and "mla_use_nope" not in holder:
+            holder["mla_use_nope"] = True
+            logger.info("config.json: added mla_use_nope: true (NoPE MLA; vLLM asserts the flag)")
+        if holder is not config:
+            config["text_config"] = holder
+        return config
+
     def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
         quantized = {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
         for name, mod in quantized.items():
@@ -416,7 +447,7 @@ class KimiK3ModelAdapter(ModelAdapter):
             if any(owner_name == q or owner_name.startswith(q + ".") for q in quantized):
                 continue
             tensor = getattr(owner, attr)
-            names = self._ckpt_tensor_names(unit, live_name)
+            names = self._tensor_names(unit, live_name, source=False)
             parts = tensor.chunk(len(names), dim=0) if len(names) > 1 else [tensor]
             yield from zip(names, parts)
 

@@ -172,8 +172,10 @@ def consumer_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]:
-    """Copy config / tokenizer / processor / remote-code files of the model directory (top level only)."""
+def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str],
+                     config_transform: Any = None) -> list[str]:
+    """Copy config / tokenizer / processor / remote-code files of the model directory (top level only);
+    config.json loses `quantization_config` and goes through `config_transform` (the adapter's output_config)."""
     copied = []
     for src in consumer_files(model_dir):
         name = src.name
@@ -182,6 +184,8 @@ def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str
         if name == "config.json":
             with open(src, encoding="utf-8") as f:
                 config = clean_config(json.load(f))
+            if config_transform is not None:
+                config = config_transform(config)
             with open(out_dir / name, "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, ensure_ascii=False)
                 f.write("\n")
@@ -201,6 +205,8 @@ class AscendV1Saver(Saver):
         self._limit = int(config.part_file_size * GIB)
         self._default_float = _FLOAT_DTYPES[config.float_dtype]
         self._source_dtypes = source_float_dtypes(adapter.model_path) if getattr(adapter, "model_path", None) else {}
+        # taken from the skeleton now: once linear_quant has run, its linears are QuantLinears
+        self._fused_groups = adapter.fused_groups() if hasattr(adapter, "fused_groups") else []
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
@@ -283,7 +289,7 @@ class AscendV1Saver(Saver):
         self._pending, self._pending_bytes = {}, 0
 
     # --- finish ----------------------------------------------------------------------------------------------
-    def finalize(self, metadata: dict[str, Any]) -> None:
+    def finalize(self, metadata: dict[str, Any], extras: Any = None) -> None:
         if self._finalized:
             raise RuntimeError("AscendV1Saver.finalize called twice")
         self._finalized = True
@@ -293,10 +299,26 @@ class AscendV1Saver(Saver):
             json.dump(partial, f)
         self.dist.barrier()
         if self.dist.is_main:
-            self._merge(metadata)
+            self._merge(metadata, extras)
         self.dist.barrier()
 
-    def _merge(self, metadata: dict[str, Any]) -> None:
+    def _fused_layer_keys(self, description: dict[str, str]) -> dict[str, str]:
+        """`<fused layer>.weight` -> its scheme, for every layer the serving engine fuses from several tensors.
+
+        vllm-ascend looks a fused layer up by its shards only where the engine's packed-module table lists it; for
+        the others it reads `<fused layer>.weight` (`modelslim_config.py:348-382`): the routed experts (no table of
+        vLLM 0.23 or 0.33 has Kimi's `experts`), and vLLM 0.23's Kimi-Linear `gate_up_proj` (that model declares
+        no packed modules). These keys name no tensor; `metadata.fused_layers` lists them for readers."""
+        keys = {}
+        for group, shards in self._fused_groups:
+            schemes = {description[f"{s}.weight"] for s in shards if f"{s}.weight" in description}
+            if len(schemes) > 1:
+                raise ValueError(f"{group}: its shards were written with different schemes {sorted(schemes)}")
+            if schemes:
+                keys[f"{group}.weight"] = schemes.pop()
+        return keys
+
+    def _merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
         partials = []
         for rank in range(self.dist.world_size):
             path = self.work_dir / _PARTIAL.format(rank=rank)
@@ -328,13 +350,24 @@ class AscendV1Saver(Saver):
             logger.warning("ascendv1_saver: no tensor was written")
         types = set(description.values()) or {FLOAT}
         header: dict[str, Any] = {"model_quant_type": max(types, key=lambda t: SEVERITY[t]), "version": FORMAT_VERSION}
-        if any(is_int4(t) for t in types):
-            header["group_size"] = 0  # per-channel int4 (vLLM-Ascend assumes 256 when the key is absent)
+        header["group_size"] = 0  # per-channel weights (vLLM-Ascend assumes 256 when the key is absent)
         metadata = dict(metadata or {})
         if getattr(self.adapter, "model_path", None):
             metadata["source"] = source_identity(self.adapter.model_path)  # `msmodelslim eval` checks it
+        fused = self._fused_layer_keys(description)
+        if fused:
+            metadata["fused_layers"] = sorted(fused)
         if metadata:
             header["metadata"] = metadata
+        description.update(fused)
+        if extras is not None and extras.optional:
+            header["optional"] = extras.optional
+        for rel, tensors in (extras.files.items() if extras is not None else ()):
+            path = self.work_dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for name, tensor in tensors.items():
+                check_finite(f"{rel}:{name}", tensor)
+            save_file({n: _cpu_copy(t) for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
         with open(self.work_dir / DESCRIPTION_NAME, "w", encoding="utf-8") as f:
             json.dump({**header, **{n: description[n] for n in sorted(description)}}, f, indent=2)
             f.write("\n")
@@ -342,7 +375,8 @@ class AscendV1Saver(Saver):
         with open(self.work_dir / INDEX_NAME, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
             f.write("\n")
-        copied = copy_model_files(self.adapter.model_path, self.work_dir, skip={DESCRIPTION_NAME, INDEX_NAME}) \
+        copied = copy_model_files(self.adapter.model_path, self.work_dir, skip={DESCRIPTION_NAME, INDEX_NAME},
+                                  config_transform=getattr(self.adapter, "output_config", None)) \
             if getattr(self.adapter, "model_path", None) and Path(self.adapter.model_path).is_dir() else []
         for rank in range(self.dist.world_size):
             (self.work_dir / _PARTIAL.format(rank=rank)).unlink()

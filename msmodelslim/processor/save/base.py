@@ -45,7 +45,7 @@ class Saver(ABC):
         """Write (or buffer) what this rank owns of `unit`."""
 
     @abstractmethod
-    def finalize(self, metadata: dict[str, Any]) -> None:
+    def finalize(self, metadata: dict[str, Any], extras: Any = None) -> None:
         """Flush, then merge the per-rank results into the final index/description (rank 0)."""
 
 

@@ -1,0 +1,117 @@
+"""The layers vLLM builds for Kimi-Linear / Kimi-K3 and looks up in quant_model_description.json: data read off
+vLLM 0.23.0 (`vllm/model_executor/models/kimi_linear.py`) and vLLM 0.33.0 (`vllm/models/kimi_k3/nvidia/model.py`,
+`mla.py`, `kda.py`; `kimi_gdn_linear_attn.py` for Kimi-Linear's KDA), file:line in the comments.
+
+A row is (prefix template, layer kind, which layers have it, condition): `{lm}` is the language model's prefix
+("" for KimiLinearForCausalLM, "language_model." inside KimiK3ForConditionalGeneration, model.py:1674-1680), `{i}`
+the decoder layer. Layers built with quant_config=None (embed_tokens, the router `gate`, conv1d, the attention
+residual projections) are never looked up and are not listed.
+"""
+
+from __future__ import annotations
+
+V023 = {
+    "version": "vllm 0.23.0",
+    # no class of kimi_linear.py declares packed_modules_mapping (kimi_linear.py:556-558): vllm-ascend falls back
+    # to vLLM's mapping, which stays {} (layers/quantization/base_config.py:76)
+    "packed_modules_mapping": {},
+    "rows": [
+        ("{lm}model.layers.{i}.self_attn.q_proj", "linear", "kda", None),        # gdn:120-126
+        ("{lm}model.layers.{i}.self_attn.k_proj", "linear", "kda", None),        # gdn:127-133
+        ("{lm}model.layers.{i}.self_attn.v_proj", "linear", "kda", None),        # gdn:134-140
+        ("{lm}model.layers.{i}.self_attn.f_a_proj", "linear", "kda", None),      # gdn:142-148
+        ("{lm}model.layers.{i}.self_attn.f_b_proj", "linear", "kda", None),      # gdn:150-156
+        ("{lm}model.layers.{i}.self_attn.b_proj", "linear", "kda", None),        # gdn:163-169
+        ("{lm}model.layers.{i}.self_attn.g_a_proj", "linear", "kda", None),      # gdn:205-211
+        ("{lm}model.layers.{i}.self_attn.g_b_proj", "linear", "kda", None),      # gdn:212-218
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "kda", None),        # gdn:220-226
+        ("{lm}model.layers.{i}.self_attn.kv_a_proj_with_mqa", "linear", "mla", None),  # kimi_linear.py:216-222
+        ("{lm}model.layers.{i}.self_attn.q_proj", "linear", "mla", None),              # :223-229 (no q-LoRA, :214)
+        ("{lm}model.layers.{i}.self_attn.kv_b_proj", "linear", "mla", None),           # :234-240
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "mla", None),              # :241-247
+        ("{lm}model.layers.{i}.mlp.gate_up_proj", "linear", "dense", None),            # :75-81
+        ("{lm}model.layers.{i}.mlp.down_proj", "linear", "dense", None),               # :82-89
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.gate_up_proj", "linear", "moe", "shared"),  # :139-148
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.down_proj", "linear", "moe", "shared"),
+        ("{lm}model.layers.{i}.block_sparse_moe.experts", "moe", "moe", None),         # FusedMoE :152-167
+        ("{lm}lm_head", "lm_head", "top", None),                                       # :569-575
+    ],
+}
+
+V033 = {
+    "version": "vllm 0.33.0",
+    # KimiLinearModel.packed_modules_mapping (model.py:934-941), put into the quant config by SupportsQuant
+    # (models/interfaces.py:1298-1299); the K3 wrapper adds none
+    "packed_modules_mapping": {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvgfab": ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"],
+        "conv1d": ["q_conv1d", "k_conv1d", "v_conv1d"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+        "fused_qkv_a_g_proj": ["q_a_proj", "kv_a_proj_with_mqa", "g_proj"],
+    },
+    # KimiK3ForConditionalGeneration.hf_to_vllm_mapper (model.py:1584-1590), applied to the description keys
+    # through vllm-ascend's apply_vllm_mapper (interfaces.py:1296-1297, modelslim_config.py:511-543)
+    "k3_prefix_mapper": {"language_model.layers.": "language_model.model.layers.",
+                         "mm_projector.proj.0": "mm_projector.linear_1", "mm_projector.proj.2": "mm_projector.linear_2"},
+    "rows": [
+        ("{lm}model.layers.{i}.self_attn.in_proj_qkvgfab", "linear", "kda", None),   # kda.py:643-662, gdn:218-226
+        ("{lm}model.layers.{i}.self_attn.f_b_proj", "linear", "kda", None),          # kda.py:664-670
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "kda", None),            # kda.py:878-884
+        ("{lm}model.layers.{i}.self_attn.g_a_proj", "linear", "kda", "low_rank_gate"),  # gdn:290-296
+        ("{lm}model.layers.{i}.self_attn.g_b_proj", "linear", "kda", "low_rank_gate"),  # gdn:297-303
+        ("{lm}model.layers.{i}.self_attn.fused_qkv_a_g_proj", "linear", "mla", "q_lora_gate"),     # mla.py:220-231
+        ("{lm}model.layers.{i}.self_attn.fused_qkv_a_proj", "linear", "mla", "q_lora_no_gate"),    # mla.py:240-250
+        ("{lm}model.layers.{i}.self_attn.q_b_proj", "linear", "mla", "q_lora"),                    # mla.py:253-259
+        ("{lm}model.layers.{i}.self_attn.q_proj", "linear", "mla", "no_q_lora"),                   # mla.py:263-269
+        ("{lm}model.layers.{i}.self_attn.kv_a_proj_with_mqa", "linear", "mla", "no_q_lora"),       # mla.py:270-276
+        ("{lm}model.layers.{i}.self_attn.g_proj", "linear", "mla", "no_q_lora_gate"),              # mla.py:277-285
+        ("{lm}model.layers.{i}.self_attn.kv_b_proj", "linear", "mla", None),                       # mla.py:288-294
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "mla", None),                          # mla.py:297-303
+        ("{lm}model.layers.{i}.mlp.gate_up_proj", "linear", "dense", None),                        # model.py:241-248
+        ("{lm}model.layers.{i}.mlp.down_proj", "linear", "dense", None),                           # model.py:249-259
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.gate_up_proj", "linear", "moe", "shared"),  # :449-468
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.down_proj", "linear", "moe", "shared"),
+        ("{lm}model.layers.{i}.block_sparse_moe.routed_expert_down_proj", "linear", "moe", "latent"),  # :477-483
+        ("{lm}model.layers.{i}.block_sparse_moe.routed_expert_up_proj", "linear", "moe", "latent"),    # :494-500
+        ("{lm}model.layers.{i}.block_sparse_moe.experts", "moe", "moe", None),  # RoutedExperts, routed_experts.py:237
+        ("{lm}lm_head", "lm_head", "top", None),                                # model.py:1421-1427
+    ],
+}
+
+
+def model_flags(text_config: dict) -> set[str]:
+    """The row conditions a text config satisfies."""
+    lac = text_config.get("linear_attn_config") or {}
+    q_lora = text_config.get("q_lora_rank") is not None
+    gate = bool(text_config.get("mla_use_output_gate"))
+    flags = {"q_lora"} if q_lora else {"no_q_lora"}
+    flags.add({(True, True): "q_lora_gate", (True, False): "q_lora_no_gate",
+               (False, True): "no_q_lora_gate", (False, False): "no_q_lora_no_gate"}[(q_lora, gate)])
+    if not lac.get("use_full_rank_gate"):
+        flags.add("low_rank_gate")
+    if text_config.get("num_shared_experts"):
+        flags.add("shared")
+    if text_config.get("routed_expert_hidden_size") or text_config.get("moe_latent_size"):
+        flags.add("latent")  # moe_latent_size: our pre-release stand-in's name for the same latent MoE
+    return flags
+
+
+def layer_kinds(text_config: dict) -> list[tuple[str, str]]:
+    """(attention kind, MLP kind) per decoder layer, by vLLM's rules (kimi_linear.py config :157-161, model.py
+    :701-706): KDA iff i+1 in kda_layers; MoE iff i >= first_k_dense_replace (moe_layer_freq 1)."""
+    kda = set((text_config.get("linear_attn_config") or {}).get("kda_layers") or [])
+    first_dense = int(text_config.get("first_k_dense_replace", 0))
+    return [("kda" if i + 1 in kda else "mla", "moe" if i >= first_dense else "dense")
+            for i in range(int(text_config["num_hidden_layers"]))]
+
+
+def serving_layers(spec: dict, text_config: dict, lm: str) -> list[tuple[str, str]]:
+    """(prefix, kind) of every layer vLLM looks up for this model."""
+    flags = model_flags(text_config)
+    out = []
+    for i, (attn, mlp) in enumerate(layer_kinds(text_config)):
+        for template, kind, applies, cond in spec["rows"]:
+            if applies in (attn, mlp) and (cond is None or cond in flags):
+                out.append((template.format(lm=lm, i=i), kind))
+    out += [(t.format(lm=lm), k) for t, k, a, _ in spec["rows"] if a == "top"]
+    return out
