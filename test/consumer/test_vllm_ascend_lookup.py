@@ -16,14 +16,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from runner.dp_helpers import REPO
 
 from msmodelslim.model.kimi_k3.serving import FUSED_RULES
 
 from . import vllm_ascend_cpu as ascend
+from .outputs import MINI
 from .vllm_layers import V023, V033, serving_layers
 
-MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 _MEMBERS = {rule.name: rule.members for rule in FUSED_RULES} | {"fused_qkv_a_g_proj": FUSED_RULES[1].members}
 
 

@@ -107,9 +107,10 @@ def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k
     names = {p.name for p in save.iterdir()}
     assert not names & {"notes.txt", "README.txt", "tokenizer_config.json.bak"}
     assert {"config.json", "tokenizer.json", "modeling_kimi_k3.py", "quant_model_description.json"} <= names
-    assert all(b"private" not in p.read_bytes() for p in save.iterdir())
-    modes = {oct(p.stat().st_mode & 0o777) for p in save.iterdir()}
-    assert modes == {"0o644"}, modes
+    files = [p for p in save.rglob("*") if p.is_file()]
+    assert all(b"private" not in p.read_bytes() for p in files)
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
+    assert {oct(p.stat().st_mode & 0o777) for p in [save, *save.rglob("*")] if p.is_dir()} == {"0o755"}
     assert sorted(os.listdir(tmp_path)) == sorted(["model", "secret.txt", save.name])  # no lock, no temp dir
 
 

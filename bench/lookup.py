@@ -1,0 +1,39 @@
+"""vllm-ascend 0.23.0.post1's own scheme lookup on our outputs: failing lookups / layers looked up, per output and
+vLLM version (the table of issue 14). Same code as test/consumer (which asserts it); this prints the numbers.
+
+    python bench/lookup.py
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, generated_checkpoint, machine, print_result  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "test"))
+from consumer import vllm_ascend_cpu as ascend  # noqa: E402
+from consumer.outputs import build_outputs  # noqa: E402
+from consumer.test_vllm_ascend_lookup import lookup_failures  # noqa: E402
+from consumer.vllm_layers import V023, V033  # noqa: E402
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-lookup-") as root:
+        outputs = build_outputs(Path(root), generated_checkpoint("tiny"))
+        module = ascend.import_vllm_ascend()
+        for (model, quant_type), out in sorted(outputs.items()):
+            for spec in ((V023, V033) if model == "mini" else (V033,)):
+                count, failures = lookup_failures(module, out, spec)
+                rows.append({"output": f"{model} {quant_type}", "vllm": spec["version"], "layers": count,
+                             "failing": len(failures), "first_failure": failures[0] if failures else None})
+                print(f"{model} {quant_type} on {spec['version']}: {len(failures)} / {count} failing", flush=True)
+        ascend.remove_stubs()
+    print_result({"bench": "lookup", "machine": machine(), "vllm_ascend": ascend.VERSION, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Our W4A8 / W8A8 outputs of kimi-linear-mini and of a tiny Kimi-K3, made with the shipped practices (fewer,
+shorter calibration samples): what the consumer tests and bench/lookup.py hand to vllm-ascend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.dp_helpers import REPO, shrunken_practice
+
+from msmodelslim.app.quant import QuantArgs, quant
+
+MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
+PRACTICES = REPO / "lab_practice" / "kimi_k3"
+
+
+def build_outputs(root: Path, tiny_k3: Path) -> dict[tuple[str, str], Path]:
+    """{(model, quant type): output directory}; kimi-linear-mini is left out where ../shared lacks it."""
+    made = {}
+    for model, model_type, path, stem in (("mini", "Kimi-Linear", MINI, "kimi_linear"),
+                                          ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
+        if not (path / "config.json").is_file():
+            continue
+        for quant_type in ("w4a8", "w8a8"):
+            practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
+                                         max_samples=2, max_seq_len=64)
+            out = root / f"{model}_{quant_type}"
+            quant(QuantArgs(model_path=str(path), save_path=str(out), device="cpu", model_type=model_type,
+                            config_path=str(practice), trust_remote_code=True))
+            made[(model, quant_type)] = out
+    return made
