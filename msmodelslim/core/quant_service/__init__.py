@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
 RENDEZVOUS_TIMEOUT_ENV = "MSMODELSLIM_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait for each other at start
-DEFAULT_RENDEZVOUS_TIMEOUT = 120.0
+DEFAULT_RENDEZVOUS_TIMEOUT = 600.0  # ranks importing torch_npu on a busy host can take minutes to arrive
 _STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to die before it is killed
 
 

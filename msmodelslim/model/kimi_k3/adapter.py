@@ -47,7 +47,7 @@ REQUIRED_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size"
 REQUIRED_VISION_FIELDS = ("patch_size", "hidden_size", "num_heads", "intermediate_size", "depth")
 # --model_type display name -> whether its checkpoints carry a vision tower
 MULTIMODAL_MODEL_TYPES = {"Kimi-K3": True, "Kimi-Linear": False}
-_SHAPE_CHECKED_DTYPES = {"BF16": True, "F16": True, "F32": True, "F64": True}
+_FLOAT_STORAGE = frozenset({"BF16", "F16", "F32", "F64"})  # safetensors dtypes a float parameter may load from
 
 
 class UnitModule(nn.Module):
@@ -243,7 +243,7 @@ class KimiK3ModelAdapter(ModelAdapter):
                     if reader.is_mxfp4(name):
                         reader.check_mxfp4_layout(name)
                     elif getattr(owner, attr).is_floating_point() and reader.stored_dtype(name) \
-                            not in _SHAPE_CHECKED_DTYPES:
+                            not in _FLOAT_STORAGE:
                         raise CheckpointError(f"{reader.file_of(name)}: tensor {name} is stored as "
                                               f"{reader.stored_dtype(name)}; the model expects a float tensor")
                 shapes = [reader.shape(n) for n in names]
