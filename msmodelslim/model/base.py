@@ -40,8 +40,9 @@ class ModelAdapter(ABC):
     def check_config(cls, config: dict[str, Any], config_file: Path, model_type: str) -> None:
         """Raise UserError for a config.json the adapter cannot serve as `model_type` (before anything runs)."""
 
-    def output_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """The source config.json as the output carries it (flags the serving engine needs added)."""
+    def output_config(self, config: dict[str, Any], description: dict[str, str]) -> dict[str, Any]:
+        """The source config.json as the output carries it (flags the serving engine reads added); `description`
+        is the output's tensor name -> scheme map."""
         return config
 
     def close(self) -> None:

@@ -299,7 +299,8 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "expert_out_of_range": (expert_out_of_range, r"experts\.99\.w2\.weight belongs to expert 99, but config\.json "
                                                  r"has num_experts=\d+"),
     "unknown_quant_method": (unknown_quant_method, r"config\.json: .*mystery-quant"),
-    "bad_config_value": (bad_config_value, r"config\.json: .*"),
+    "bad_config_value": (bad_config_value, r"config\.json: text_config\.num_attention_heads must be a positive "
+                                           r"integer, got 'two'"),
     "missing_config_field": (missing_config_field, r"config\.json: required key text_config\.moe_intermediate_size "
                                                    r"is missing"),
     "wrong_model_type": (wrong_model_type, r"--model_type Kimi-Linear but the config describes a multimodal model"),

@@ -21,6 +21,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.errors import UserError
+from msmodelslim.formats.ascendv1 import SEVERITY
 from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.model.common.utils import resolve_expert_ep_range
@@ -91,8 +92,13 @@ class KimiK3ModelAdapter(ModelAdapter):
                             f"{'a multimodal model (vision_config present)' if multimodal else 'a text-only model'}; "
                             f"use --model_type {other}")
         for names in REQUIRED_TEXT_FIELDS:
-            if not any(n in text for n in names):
+            present = [n for n in names if n in text]
+            if not present:
                 raise UserError(f"{config_file}: required key {where}{names[0]} is missing")
+            value = text[present[0]]
+            if names[0] != "linear_attn_config" and (isinstance(value, bool) or not isinstance(value, int)
+                                                     or value <= 0):
+                raise UserError(f"{config_file}: {where}{present[0]} must be a positive integer, got {value!r}")
         lac = text["linear_attn_config"]
         if not isinstance(lac, dict):
             raise UserError(f"{config_file}: {where}linear_attn_config must be an object, got {lac!r}")
@@ -424,9 +430,12 @@ class KimiK3ModelAdapter(ModelAdapter):
                 ep_patches.ep_idle(block)
 
     # --- saving ----------------------------------------------------------------------------------------------
-    def output_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Every source field, plus the flags vLLM asserts: its Kimi MLA is NoPE-only and refuses a config without
-        `mla_use_nope: true` (vllm 0.33 `models/kimi_k3/nvidia/model.py:740-744`; KimiLinearConfig defaults it off)."""
+    def output_config(self, config: dict[str, Any], description: dict[str, str]) -> dict[str, Any]:
+        """Every source field, plus what the serving side reads from the text config:
+        - `mla_use_nope: true`: vLLM's Kimi MLA is NoPE-only and refuses a config without it (vllm 0.33
+          `models/kimi_k3/nvidia/model.py:740-744`; KimiLinearConfig defaults it off);
+        - `quantize` / `moe_quantize` / `mla_quantize` (`w8a8_dynamic`, `w4a8_dynamic`), as msModelSlim writes them:
+          vllm-ascend picks its MoE communication from `moe_quantize` (`ascend_forward_context.py:335-339`)."""
         config = dict(config)
         holder = dict(config["text_config"]) if isinstance(config.get("text_config"), dict) else config
         lac = holder.get("linear_attn_config") or {}
@@ -434,6 +443,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         if has_mla and "mla_use_nope" not in holder:
             holder["mla_use_nope"] = True
             logger.info("config.json: added mla_use_nope: true (NoPE MLA; vLLM asserts the flag)")
+        holder.update(_quantize_flags(description))
         if holder is not config:
             config["text_config"] = holder
         return config
@@ -461,6 +471,27 @@ class KimiK3ModelAdapter(ModelAdapter):
         from msmodelslim.model.kimi_k3 import smooth
 
         return smooth.smooth_subgraphs(unit, module)
+
+
+_MLA_LINEARS = re.compile(r"\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+
+
+def _quantize_flags(description: dict[str, str]) -> dict[str, str]:
+    """msModelSlim's config.json summary of a W4A8 mix: routed experts (`moe_quantize`), MLA linears of layers that
+    have `kv_a_proj_with_mqa` (`mla_quantize`), every other quantized linear (`quantize`)."""
+    quantized = {n: t for n, t in description.items() if t != "FLOAT" and n.endswith(".weight")}
+    mla_layers = {n.split(".self_attn.")[0] for n in quantized if n.endswith(".kv_a_proj_with_mqa.weight")}
+    groups: dict[str, set[str]] = {"moe_quantize": set(), "mla_quantize": set(), "quantize": set()}
+    for name, scheme in quantized.items():
+        if _EXPERT_RE.search(name):
+            groups["moe_quantize"].add(scheme)
+        elif _MLA_LINEARS.search(name) and name.split(".self_attn.")[0] in mla_layers:
+            groups["mla_quantize"].add(scheme)
+        else:
+            groups["quantize"].add(scheme)
+    if "W4A8_DYNAMIC" not in groups["moe_quantize"]:
+        return {}  # msModelSlim writes them only for a W4A8 mix, and the engine's defaults fit the rest
+    return {key: max(s, key=lambda t: SEVERITY[t]).lower() for key, s in groups.items() if s}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -103,6 +103,15 @@ class AscendV1SaverConfig(SaverConfig):
                              f"got {self.row_parallel_splits!r}")
 
 
+def model_quant_type(types: set[str]) -> str:
+    """The description's `model_quant_type`: the most aggressive scheme present, except that a W4A8 mix (int4
+    experts with W8A8 elsewhere) is W8A8_DYNAMIC, as msModelSlim 26.1.0 labels it (only vllm-ascend's 310P loader
+    reads the key)."""
+    if {"W4A8_DYNAMIC", "W8A8_DYNAMIC"} <= types:
+        return "W8A8_DYNAMIC"
+    return max(types or {FLOAT}, key=lambda t: SEVERITY[t])
+
+
 def source_float_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
     """name -> dtype of every floating tensor stored in a safetensors checkpoint (headers only)."""
     from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
@@ -223,7 +232,8 @@ class AscendV1Saver(Saver):
                 continue
             if isinstance(obj, QuantLinear):
                 for tname, tensor in self._quant_tensors(name, obj).items():
-                    self._add(tname, tensor, obj.scheme.name)
+                    # a bias stays float at run time: FLOAT, as msModelSlim describes it
+                    self._add(tname, tensor, FLOAT if tname.endswith(".bias") else obj.scheme.name)
             elif isinstance(obj, torch.Tensor):
                 self._add(name, self._float_tensor(name, obj), FLOAT)
             else:
@@ -302,6 +312,12 @@ class AscendV1Saver(Saver):
             self._merge(metadata, extras)
         self.dist.barrier()
 
+    def _config_transform(self, description: dict[str, str]) -> Any:
+        output_config = getattr(self.adapter, "output_config", None)
+        if output_config is None:
+            return None
+        return lambda config: output_config(config, description)
+
     def _fused_layer_keys(self, description: dict[str, str]) -> dict[str, str]:
         """`<fused layer>.weight` -> its scheme, for every layer the serving engine fuses from several tensors.
 
@@ -348,20 +364,20 @@ class AscendV1Saver(Saver):
             description.update(p["description"])
         if total == 0:
             logger.warning("ascendv1_saver: no tensor was written")
-        types = set(description.values()) or {FLOAT}
-        header: dict[str, Any] = {"model_quant_type": max(types, key=lambda t: SEVERITY[t]), "version": FORMAT_VERSION}
+        header: dict[str, Any] = {"model_quant_type": model_quant_type(set(description.values())),
+                                  "version": FORMAT_VERSION}
         header["group_size"] = 0  # per-channel weights (vLLM-Ascend assumes 256 when the key is absent)
         metadata = dict(metadata or {})
         if getattr(self.adapter, "model_path", None):
             metadata["source"] = source_identity(self.adapter.model_path)  # `msmodelslim eval` checks it
+        tensors_described = dict(description)  # what the tensors are, without the lookup-only keys below
         fused = self._fused_layer_keys(description)
         if fused:
             metadata["fused_layers"] = sorted(fused)
         if metadata:
             header["metadata"] = metadata
         description.update(fused)
-        if extras is not None and extras.optional:
-            header["optional"] = extras.optional
+        header["optional"] = extras.optional if extras is not None else {}  # always present, as msModelSlim
         for rel, tensors in (extras.files.items() if extras is not None else ()):
             path = self.work_dir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -376,7 +392,7 @@ class AscendV1Saver(Saver):
             json.dump(index, f, indent=2)
             f.write("\n")
         copied = copy_model_files(self.adapter.model_path, self.work_dir, skip={DESCRIPTION_NAME, INDEX_NAME},
-                                  config_transform=getattr(self.adapter, "output_config", None)) \
+                                  config_transform=self._config_transform(tensors_described)) \
             if getattr(self.adapter, "model_path", None) and Path(self.adapter.model_path).is_dir() else []
         for rank in range(self.dist.world_size):
             (self.work_dir / _PARTIAL.format(rank=rank)).unlink()
