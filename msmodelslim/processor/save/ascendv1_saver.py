@@ -70,7 +70,7 @@ CONSUMER_FILES = frozenset({
     "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json",
 })
-CONSUMER_SUFFIXES = (".py", ".tiktoken")
+CONSUMER_SUFFIXES = (".py", ".tiktoken", ".model")  # remote code; tiktoken / sentencepiece vocabularies
 _PARTIAL = ".rank{rank:05d}.partial.json"
 _TMP_SHARD = ".rank{rank:05d}-part{part:05d}.safetensors"
 GIB = 1024**3
