@@ -64,13 +64,17 @@ class ModelAdapter(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not expose unit skeletons")
 
     def linear_names(self) -> list[tuple[Unit, str]]:
-        """(unit, serving name) of every nn.Linear of the model, from the skeletons (no weights needed)."""
-        out = []
-        for unit in self.units():
-            for live_name, mod in self.unit_module(unit).named_modules():
-                if live_name and isinstance(mod, nn.Linear):
-                    out.append((unit, self.checkpoint_name(unit, live_name)))
-        return out
+        """(unit, serving name) of every nn.Linear of the model, from the skeletons (no weights needed).
+
+        Walked once, on the first call (the practice checks and the saver all ask before any processor runs; later,
+        linear_quant has replaced these linears by QuantLinears, and the answer is still the model's linears)."""
+        cached = self.__dict__.get("_linear_names")
+        if cached is None:
+            cached = [(unit, self.checkpoint_name(unit, live_name)) for unit in self.units()
+                      for live_name, mod in self.unit_module(unit).named_modules()
+                      if live_name and isinstance(mod, nn.Linear)]
+            self.__dict__["_linear_names"] = cached
+        return list(cached)
 
     def fused_groups(self) -> list[tuple[str, list[str]]]:
         """(fused layer name, serving names of its shards): linears the serving engine runs as one layer with one

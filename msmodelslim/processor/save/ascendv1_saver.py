@@ -112,15 +112,19 @@ def model_quant_type(types: set[str]) -> str:
     return max(types or {FLOAT}, key=lambda t: SEVERITY[t])
 
 
-def source_float_dtypes(model_dir: Path) -> dict[str, torch.dtype]:
-    """name -> dtype of every floating tensor stored in a safetensors checkpoint (headers only)."""
+def source_float_dtypes(adapter: Any) -> dict[str, torch.dtype]:
+    """name -> dtype of every floating tensor stored in the adapter's source checkpoint (headers only; the
+    adapter's own reader when it has one, so the shards are not opened and checked again)."""
     from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 
-    model_dir = Path(model_dir)
-    try:
-        reader = open_checkpoint(model_dir)
-    except CheckpointError:
-        return {}
+    reader = getattr(adapter, "reader", None)
+    if reader is None:
+        if not getattr(adapter, "model_path", None):
+            return {}
+        try:
+            reader = open_checkpoint(Path(adapter.model_path))
+        except CheckpointError:
+            return {}
     out: dict[str, torch.dtype] = {}
     for name in reader.stored_keys():
         dtype = _ST_DTYPES.get(reader.stored_dtype(name)) if name in reader else None
@@ -181,15 +185,12 @@ def consumer_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def copy_model_files(model_dir: Path, out_dir: Path, skip: set[str],
-                     config_transform: Any = None) -> list[str]:
+def copy_model_files(model_dir: Path, out_dir: Path, config_transform: Any = None) -> list[str]:
     """Copy config / tokenizer / processor / remote-code files of the model directory (top level only);
     config.json loses `quantization_config` and goes through `config_transform` (the adapter's output_config)."""
     copied = []
     for src in consumer_files(model_dir):
         name = src.name
-        if name in skip:
-            continue
         if name == "config.json":
             with open(src, encoding="utf-8") as f:
                 config = clean_config(json.load(f))
@@ -213,8 +214,7 @@ class AscendV1Saver(Saver):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._limit = int(config.part_file_size * GIB)
         self._default_float = _FLOAT_DTYPES[config.float_dtype]
-        self._source_dtypes = source_float_dtypes(adapter.model_path) if getattr(adapter, "model_path", None) else {}
-        # taken from the skeleton now: once linear_quant has run, its linears are QuantLinears
+        self._source_dtypes = source_float_dtypes(adapter)
         self._fused_groups = adapter.fused_groups() if hasattr(adapter, "fused_groups") else []
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -391,7 +391,7 @@ class AscendV1Saver(Saver):
         with open(self.work_dir / INDEX_NAME, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
             f.write("\n")
-        copied = copy_model_files(self.adapter.model_path, self.work_dir, skip={DESCRIPTION_NAME, INDEX_NAME},
+        copied = copy_model_files(self.adapter.model_path, self.work_dir,
                                   config_transform=self._config_transform(tensors_described)) \
             if getattr(self.adapter, "model_path", None) and Path(self.adapter.model_path).is_dir() else []
         for rank in range(self.dist.world_size):
