@@ -119,7 +119,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     if not windows:
         raise UserError("no evaluation window (text shorter than one window?)")
     variants = {"orig": None, "quant": reader}
-    states = {v: [{"input_ids": w} for w in windows] for v in variants}
+    states = {v: [{"input_ids": w, "need_logits": True} for w in windows] for v in variants}
     nll = {v: 0.0 for v in variants}
     count = {v: 0 for v in variants}
     simulated: set[str] = set()

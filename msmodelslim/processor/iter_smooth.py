@@ -10,7 +10,7 @@ The model knowledge is data: `adapter.smooth_subgraphs(unit, module) -> list[Sub
 `ctx.collect_input_absmax` call per unit (the runner reduces replicated modules over data-parallel ranks); the
 "iteration" is the runner's: each unit is calibrated on the outputs of already-processed upstream units.
 
-Expert parallelism: a subgraph whose readers are the routed experts (`across_ranks=True`: latent_down -> every
+Expert parallelism: a subgraph whose readers are the routed experts (`across_ranks=True`: routed_expert_down_proj -> every
 expert's w1/w3, or the norm -> experts of a plain MoE) must get the same scale on every rank, but a rank holds only
 some experts. Its statistics (max over the local experts' inputs and weight columns) are max-reduced over ranks with
 `ctx.dist.all_reduce_max` -- one fixed-order collective per such subgraph (at most one per MoE layer), issued by
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 UP_DOWN = "up-down"  # up_proj (w3) rows -> down_proj (w2) columns
 OV = "ov"  # MLA kv_b_proj V rows -> o_proj columns
-LINEAR_LINEAR = "linear-linear"  # low-rank pairs (f_a -> f_b, g_a -> g_b), latent_down -> experts, experts -> latent_up
+LINEAR_LINEAR = "linear-linear"  # low-rank pairs (f_a -> f_b, g_a -> g_b), latent down -> experts, experts -> latent up
 GATED_NORM_LINEAR = "gated-norm-linear"  # KDA o_norm (gated RMSNorm, weight shared by heads) -> o_proj
 NORM_LINEAR = "norm-linear"  # RMSNorm -> every linear reading it (and the router, compensated)
 SUBGRAPH_TYPES = (UP_DOWN, OV, LINEAR_LINEAR, GATED_NORM_LINEAR, NORM_LINEAR)  # processing order

@@ -38,7 +38,7 @@ from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, 
 
 logger = logging.getLogger(__name__)
 
-DECODER_KINDS = ("decoder",)
+DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 
 

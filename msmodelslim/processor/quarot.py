@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.errors import UserError
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
 from msmodelslim.processor.base import Extras, Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.spans import WHOLE, Span
@@ -36,7 +37,7 @@ from msmodelslim.processor.spans import WHOLE, Span
 logger = logging.getLogger(__name__)
 
 HIDDEN = "hidden"  # the residual stream
-LATENT = "latent"  # latent MoE: latent_down outputs / expert inputs, expert outputs / latent_up inputs (rot_latent)
+LATENT = "latent"  # latent MoE: routed_expert_down_proj outputs / expert inputs, expert outputs / up_proj inputs
 KV_LORA = "kv_lora"  # MLA compressed kv (kv_a non-rope rows -> kv_a_layernorm -> kv_b_proj inputs)
 MLA_V = "mla_v"  # MLA per-head values (kv_b_proj V rows -> attention -> o_proj inputs), one Q of v_head_dim
 SPACES = (HIDDEN, LATENT, KV_LORA, MLA_V)
@@ -52,11 +53,13 @@ ONLINE_CONVENTION = "x_rot = x @ online_rotation.T (F.linear(x, online_rotation)
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FuseNorm:
-    """W <- W diag(gamma) for every reader, then gamma <- 1 (needed before `space` is rotated)."""
+    """W <- W diag(gamma) for every reader, then gamma <- 1 (needed before `space` is rotated). `span` picks the
+    reader columns the norm feeds (MTP's eh_proj reads [enorm(e) | hnorm(h)])."""
 
     norm: str
     readers: tuple[str, ...]
     space: str = HIDDEN
+    span: Span = WHOLE
 
 
 @dataclass(frozen=True)
@@ -82,17 +85,24 @@ class QuaRotPlan:
     fuse: list[FuseNorm] = field(default_factory=list)
     rotate: list[Rotate] = field(default_factory=list)
     online: list[str] = field(default_factory=list)  # down projections whose input takes an online Hadamard
+    # Why the residual stream cannot be rotated exactly through this unit (None: it can)
+    hidden_blocker: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The transformations, one equation each
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def fuse_norm(gamma: torch.Tensor, readers: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> None:
-    """W <- W diag(gamma) for every reader; gamma <- 1."""
+def fuse_norm(gamma: torch.Tensor, readers: list[torch.Tensor], dtype: torch.dtype = torch.float64,
+              span: Span = WHOLE) -> None:
+    """W <- W diag(gamma) for every reader (on the span's columns); gamma <- 1."""
     g = gamma.to(dtype)
     for w in readers:
-        w.copy_((w.to(dtype) * g.to(w.device)).to(w.dtype))
+        if span == WHOLE:
+            w.copy_((w.to(dtype) * g.to(w.device)).to(w.dtype))
+        else:
+            idx = span.index(w.shape[-1], w.device).reshape(-1)
+            w[:, idx] = (w[:, idx].to(dtype) * g.to(w.device).repeat(span.count)).to(w.dtype)
     gamma.fill_(1.0)
 
 
@@ -146,6 +156,7 @@ def rotate_online(linear: nn.Linear, t: torch.Tensor, dtype: torch.dtype = torch
 @dataclass
 class QuaRotConfig(ProcessorConfig):
     seed: int = 0  # seeds the random signs of every Q (per space and size, identical on every rank)
+    rotate_hidden: bool = True  # the residual stream (embeddings, every reader and writer of it)
     online_down: bool = False  # online Hadamard on the inputs of down projections (needs runtime support)
     rotate_latent: bool = True  # rot_latent: the latent-MoE space
     rotate_mla: bool = True  # MLA kv_lora_rank space (after fusing kv_a_layernorm) and per-head v_head_dim space
@@ -155,7 +166,7 @@ class QuaRotConfig(ProcessorConfig):
     def validate(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"quarot.seed must be a non-negative integer, got {self.seed!r}")
-        for key in ("online_down", "rotate_latent", "rotate_mla"):
+        for key in ("rotate_hidden", "online_down", "rotate_latent", "rotate_mla"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"quarot.{key} must be true or false, got {getattr(self, key)!r}")
         if self.block_size is not None and (
@@ -186,7 +197,7 @@ class QuaRotProcessor(Processor):
         return torch.float64 if self.config.compute_dtype == "float64" else torch.float32
 
     def enabled_spaces(self) -> set[str]:
-        spaces = {HIDDEN}
+        spaces = {HIDDEN} if self.config.rotate_hidden else set()
         if self.config.rotate_latent:
             spaces.add(LATENT)
         if self.config.rotate_mla:
@@ -210,6 +221,16 @@ class QuaRotProcessor(Processor):
             self._online[size] = orthogonal_hadamard(size, self.config.block_size).float()
         return self._online[size]
 
+    def preflight(self, adapter: Any) -> None:
+        """Refuse, before any compute, a residual rotation the model cannot carry exactly."""
+        if not self.config.rotate_hidden:
+            return
+        for unit in adapter.units():
+            blocker = adapter.quarot_plan(unit, adapter.unit_module(unit)).hidden_blocker
+            if blocker:
+                raise UserError(f"quarot: the residual stream cannot be rotated through unit {unit.name}: {blocker}; "
+                                f"set rotate_hidden: false in the practice's quarot step")
+
     def process_unit(self, ctx: UnitContext) -> None:
         plan: QuaRotPlan = ctx.adapter.quarot_plan(ctx.unit, ctx.module)
         modules = dict(ctx.module.named_modules())
@@ -223,7 +244,7 @@ class QuaRotProcessor(Processor):
         spaces = self.enabled_spaces()
         for f in plan.fuse:
             if f.space in spaces:
-                fuse_norm(get(f.norm).weight.data, [get(r).weight.data for r in f.readers], self.dtype)
+                fuse_norm(get(f.norm).weight.data, [get(r).weight.data for r in f.readers], self.dtype, f.span)
         for r in plan.rotate:
             if r.space not in spaces:
                 continue
@@ -264,6 +285,7 @@ class QuaRotProcessor(Processor):
 
         return {"quarot": {
             "seed": self.config.seed,
+            "rotate_hidden": self.config.rotate_hidden,
             "rotate_latent": self.config.rotate_latent,
             "rotate_mla": self.config.rotate_mla,
             "online_down": self.config.online_down,

@@ -106,6 +106,8 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
         plan = planned_schemes(processors, adapter)
         groups = dict(adapter.fused_groups())
     kda = next(g for g in groups if g.endswith("in_proj_qkvgfab"))
-    assert {plan[s] for s in groups[kda]} == {"W8A8_DYNAMIC"} and len(groups[kda]) == 5
+    assert {plan[s] for s in groups[kda]} == {"W8A8_DYNAMIC"} and len(groups[kda]) == 6  # q k v g b f_a
+    mla = next(g for g in groups if g.endswith("fused_qkv_a_g_proj"))
+    assert {plan[s] for s in groups[mla]} == {"W8A8_DYNAMIC"} and len(groups[mla]) == 3  # q_a kv_a g
     moe = next(g for g in groups if g.endswith("experts"))
     assert len({plan[s] for s in groups[moe]}) == 1 and plan[groups[moe][0]] != "FLOAT"

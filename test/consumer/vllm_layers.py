@@ -91,8 +91,8 @@ def model_flags(text_config: dict) -> set[str]:
         flags.add("low_rank_gate")
     if text_config.get("num_shared_experts"):
         flags.add("shared")
-    if text_config.get("routed_expert_hidden_size") or text_config.get("moe_latent_size"):
-        flags.add("latent")  # moe_latent_size: our pre-release stand-in's name for the same latent MoE
+    if text_config.get("routed_expert_hidden_size"):
+        flags.add("latent")
     return flags
 
 

@@ -15,8 +15,12 @@ TEXT = SHARED / "data" / "text" / "python_tutorial.txt"
 # Sizes K * 2^m with K != 1 so the Paley matrices are exercised: hidden 96 = 12*8, latent 80 = 20*4,
 # expert intermediate 48 = 12*4, dense intermediate 112 = 28*4, kv_lora 40 = 20*2, v_head_dim 24 = 12*2.
 STANDIN_SETS = [
-    "text_config.hidden_size=96", "text_config.moe_latent_size=80", "text_config.moe_intermediate_size=48",
+    "text_config.hidden_size=96", "text_config.routed_expert_hidden_size=80", "text_config.moe_intermediate_size=48",
     "text_config.intermediate_size=112", "text_config.kv_lora_rank=40", "text_config.v_head_dim=24",
+    "text_config.num_nextn_predict_layers=0",  # MTP layers need the adapter's units (test_adapter_invariance.py)
+    # SiTU without linear_beta keeps the up branch linear, so up-down smoothing exists to be tested (with the
+    # released linear_beta it does not: test_adapter_invariance.py)
+    "text_config.activation_situ_linear_beta=null",
 ]
 
 
@@ -27,8 +31,8 @@ def standin_vlm(seed: int = 0):
 
     cfg, _ = make_checkpoint.build_configs("tiny", STANDIN_SETS)
     conf = pkg.configuration_kimi_k3
-    text = conf.KimiK3TextConfig(**cfg["text_config"])
-    extra = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "max_shard_size")}
+    text = conf.KimiLinearConfig(**cfg["text_config"])
+    extra = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "media_proc_cfg")}
     config = conf.KimiK3Config(text_config=text, vision_config=conf.KimiK3VisionConfig(**cfg["vision_config"]), **extra)
     torch.manual_seed(seed)
     model = pkg.modeling_kimi_k3.KimiK3ForConditionalGeneration(config).float().eval()
@@ -42,8 +46,8 @@ def standin_inputs(model, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     ph = model.config.media_placeholder_token_id
     ids = torch.randint(10, model.config.text_config.vocab_size, (1, 40), generator=gen)
     ids[0, 5:9] = ph
-    image = {"input_ids": ids, "pixel_values": torch.randn(16, 3 * 14 * 14, generator=gen),
-             "image_grid_hws": torch.tensor([[4, 4]])}
+    image = {"input_ids": ids, "pixel_values": torch.randn(16, 3, 14, 14, generator=gen),
+             "grid_thws": torch.tensor([[1, 4, 4]])}
     text = {"input_ids": torch.randint(10, model.config.text_config.vocab_size, (2, 33), generator=gen)}
     return [image, text]
 

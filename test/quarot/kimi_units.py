@@ -53,7 +53,9 @@ class ToyAdapter:
                                    Pieces(embed_tokens=lm.model.embed_tokens)))
         for i, layer in enumerate(lm.model.layers):
             self.units_modules.append((Unit(f"layers.{i}", "decoder", f"{p}model.layers.{i}.", i), layer))
-        self.units_modules.append((Unit("head", "head", f"{p}model.norm."), Pieces(norm=lm.model.norm, lm_head=lm.lm_head)))
+        res = {n: getattr(lm.model, n) for n in ("output_attn_res_norm", "output_attn_res_proj") if hasattr(lm.model, n)}
+        self.units_modules.append((Unit("head", "head", f"{p}model.norm."),
+                                   Pieces(norm=lm.model.norm, lm_head=lm.lm_head, **res)))
 
     def units(self) -> list[Unit]:
         return [u for u, _ in self.units_modules]

@@ -1,7 +1,12 @@
-"""QuaRot + IterSmooth through the real KimiK3ModelAdapter on a generated tiny Kimi-K3 checkpoint (stand-in remote
-code, EP-patched experts, runtime-patched kernels): units loaded, processed and forwarded one at a time as the
-layer-wise runner does; final logits compared with the unprocessed run of the same adapter (float32).
-Tolerance: relative RMS logit error < 2e-5 (fp32 rounding)."""
+"""QuaRot + IterSmooth through the real KimiK3ModelAdapter on generated tiny Kimi-K3 checkpoints (stand-in remote
+code with attention residuals, SiTU, the latent norm, q-LoRA MLA with the output gate, the full-rank KDA gate and an
+MTP layer; EP-patched experts, runtime-patched kernels): units loaded, processed and forwarded one at a time as the
+layer-wise runner does; the head's logits and the MTP layer's logits compared with the unprocessed run of the
+same adapter (float32). Tolerance: relative RMS error < 2e-5 (fp32 rounding).
+- multimodal (image + text samples): the shipped practices' rotations (latent, kv_lora, online down; the residual
+  stream stays unrotated because the projector ends in an RMSNorm);
+- text-only Kimi-K3: every rotation, the residual stream through the attention residuals and the MTP layer included.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,12 @@ import torch
 from kimi_units import STANDIN_DIR, rel_err
 
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.errors import UserError
 from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
+def _make(tmp_path_factory, text_only: bool):
     import sys
 
     sys.path.insert(0, str(STANDIN_DIR))
@@ -24,13 +29,19 @@ def tiny_checkpoint(tmp_path_factory):
     finally:
         sys.path.pop(0)
     out = tmp_path_factory.mktemp("k3tiny") / "ckpt"
-    make_checkpoint.make_checkpoint(out, "tiny", seed=0)
+    make_checkpoint.make_checkpoint(out, "tiny", seed=0, text_only=text_only)
     return out
 
 
+@pytest.fixture(scope="module")
+def text_only_checkpoint(tmp_path_factory):
+    return _make(tmp_path_factory, text_only=True)
+
+
 def run_units(adapter, samples, processors):
-    states = [dict(s) for s in samples]
+    states = [dict(s, need_logits=True) for s in samples]
     device = torch.device("cpu")
+    logits = []
     for unit in adapter.units():
         module = adapter.load_unit(unit, device)
 
@@ -43,28 +54,54 @@ def run_units(adapter, samples, processors):
             proc.process_unit(ctx)
         with torch.no_grad():
             states = [adapter.forward_unit(unit, module, s) for s in states]
+        if unit.kind == "head":
+            logits = [s.pop("logits") for s in states]
         adapter.free_unit(unit, module)
-    return [s["logits"] for s in states]
+    return logits, [s["logits"] for s in states]  # the last unit is the MTP layer
 
 
-def test_rotated_and_smoothed_tiny_k3_gives_the_same_logits_through_the_adapter(tiny_checkpoint):
+def _samples(adapter, image: bool):
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(10, 1000, (1, 40), generator=gen)}]
+    if image:
+        ids = torch.randint(10, 1000, (1, 24), generator=gen)
+        ids[0, 3:7] = adapter.config.media_placeholder_token_id
+        samples.append({"input_ids": ids, "pixel_values": torch.randn(16, 3, 14, 14, generator=gen),
+                        "grid_thws": torch.tensor([[1, 4, 4]])})
+    return samples
+
+
+def _check(adapter, samples, quarot: QuaRotConfig) -> IterSmoothProcessor:
+    ref_logits, ref_mtp = run_units(adapter, samples, [])
+    smooth = IterSmoothProcessor(IterSmoothConfig(), adapter)
+    logits, mtp = run_units(adapter, samples, [QuaRotProcessor(quarot, adapter), smooth])
+    assert len(logits) == len(samples) and len(mtp) == len(samples)
+    for o, r in zip(logits + mtp, ref_logits + ref_mtp):
+        assert rel_err(o, r) < 2e-5
+    return smooth
+
+
+def test_rotated_and_smoothed_tiny_k3_gives_the_same_logits_through_the_adapter(tiny_k3_checkpoint):
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
 
-    adapter = KimiK3ModelAdapter(tiny_checkpoint, trust_remote_code=True, dtype=torch.float32)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        ph = adapter.config.media_placeholder_token_id
-        ids = torch.randint(10, 1000, (1, 24), generator=gen)
-        ids[0, 3:7] = ph
-        samples = [{"input_ids": ids, "pixel_values": torch.randn(16, 3 * 14 * 14, generator=gen),
-                    "image_grid_hws": torch.tensor([[4, 4]])},
-                   {"input_ids": torch.randint(10, 1000, (1, 40), generator=gen)}]
-        ref = run_units(adapter, samples, [])
-        procs = [QuaRotProcessor(QuaRotConfig(online_down=True), adapter),
-                 IterSmoothProcessor(IterSmoothConfig(), adapter)]
-        out = run_units(adapter, samples, procs)
-    finally:
-        adapter.close()
-    for o, r in zip(out, ref):
-        assert rel_err(o, r) < 2e-5
-    assert procs[1].counts["linear-linear"] > 0 and procs[1].skipped_online > 0
+    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
+        smooth = _check(adapter, _samples(adapter, image=True), QuaRotConfig(rotate_hidden=False, online_down=True))
+    assert smooth.counts["linear-linear"] > 0 and smooth.counts["norm-linear"] > 0 and smooth.counts["ov"] > 0
+    # SiTU's linear_beta clamps the up branch, so no up-down subgraph exists to smooth
+    assert smooth.counts.get("up-down", 0) == 0
+
+
+def test_residual_rotation_through_attention_residuals_and_mtp_keeps_the_logits(text_only_checkpoint):
+    from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+
+    with KimiK3ModelAdapter(text_only_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
+        assert adapter.attn_res and len(adapter.layers) > adapter.num_layers
+        _check(adapter, _samples(adapter, image=False), QuaRotConfig(online_down=True))
+
+
+def test_residual_rotation_of_multimodal_kimi_k3_is_refused_before_compute(tiny_k3_checkpoint):
+    from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+
+    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
+        with pytest.raises(UserError, match=r"mm_projector\.post_norm.*rotate_hidden: false"):
+            QuaRotProcessor(QuaRotConfig(), adapter).preflight(adapter)

@@ -223,7 +223,7 @@ def nan_in_linear(model: Path, ws: Path) -> list[str]:
 
 
 def inf_in_latent_projection(model: Path, ws: Path) -> list[str]:
-    poison(model, r"latent_down_proj\.weight$", float("inf"))
+    poison(model, r"routed_expert_down_proj\.weight$", float("inf"))
     return []
 
 
@@ -306,7 +306,7 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "wrong_model_type": (wrong_model_type, r"--model_type Kimi-Linear but the config describes a multimodal model"),
     "nan_in_linear": (nan_in_linear, r"tensor .*layers\.0\.self_attn\.q_proj\.weight of unit layers\.0 has 1 "
                                      r"non-finite value"),
-    "inf_in_latent_projection": (inf_in_latent_projection, r"latent_down_proj\.weight of unit layers\.\d has 1 "
+    "inf_in_latent_projection": (inf_in_latent_projection, r"routed_expert_down_proj\.weight of unit layers\.\d has 1 "
                                                            r"non-finite value"),
     "nan_in_norm": (nan_in_norm, r"layers\.2\.post_attention_layernorm\.weight of unit layers\.2 has 1 non-finite"),
     "infinite_part_file_size": (infinite_part_file_size, r"part_file_size: expected a finite number, got inf"),
@@ -320,7 +320,7 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                                     r"spec\.process: the serving engine runs \S+layers\.0\.self_attn\.in_proj_qkvgfab "
                                     r"as one layer with one scheme, but the practice splits it \(\S+q_proj is "
                                     r"W8A8_DYNAMIC; \S+k_proj is FLOAT\); include or exclude b_proj, f_a_proj, "
-                                    r"k_proj, q_proj, v_proj together"),
+                                    r"g_proj, k_proj, q_proj, v_proj together"),
     "huge_calibration_image": (huge_calibration_image, r"index\.jsonl:2: image 'big\.png' is 20000x20000 = 400 M "
                                                        r"pixels, above the 89 M pixel limit"),
     "save_parent_is_a_file": (save_parent_is_a_file, r"--save_path .*plain_file/out: cannot create .*plain_file"),

@@ -173,7 +173,7 @@ def test_expert_parallel_smoothing_equals_one_device(tmp_path):
     """Two gloo ranks (EP: experts 0-7 / 8-15; DP: one calibration sample each) against one device with both
     samples: replicated weights bit-identical on both ranks and equal to one device (rel 1e-6: the EP forward sums
     expert outputs in another order), every expert equal to its one-device version; one extra collective per MoE
-    layer (latent_down -> experts) besides the statistics reduction."""
+    layer (routed_expert_down_proj -> experts) besides the statistics reduction."""
     # spawn, not fork: the parent's OpenMP / gloo threads make a forked child hang
     mp.spawn(_ep_rank, args=(2, _free_port(), tmp_path), nprocs=2, join=True)
     _smooth_moe_layer(DistContext(), [0, 1], tmp_path / "single.pt")

@@ -59,7 +59,7 @@ def test_tiny_generates_in_seconds_and_loads_through_auto_classes(tiny):
     assert seconds < 20 and summary["n_shards"] >= 2
     config = AutoConfig.from_pretrained(out, trust_remote_code=True)
     assert type(config).__name__ == "KimiK3Config" and config.model_type == "kimi_k3"
-    assert type(config.get_text_config()).__name__ == "KimiK3TextConfig"
+    assert type(config.get_text_config()).__name__ == "KimiLinearConfig"
     assert config.get_text_config().get_text_config() is config.text_config
     assert config.architectures == ["KimiK3ForConditionalGeneration"]
     for auto in (AutoModel, AutoModelForCausalLM):
@@ -68,11 +68,12 @@ def test_tiny_generates_in_seconds_and_loads_through_auto_classes(tiny):
         assert type(model).__name__ == "KimiK3ForConditionalGeneration"
         assert type(model.language_model).__name__ == "KimiLinearForCausalLM"
     processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
-    assert type(processor).__name__ == "KimiK3Processor" and processor.image_token == "<|media_pad|>"
-    assert processor.image_token_id == config.media_placeholder_token_id
+    assert type(processor).__name__ == "KimiK3Processor" and processor.image_token == "<|kimi_image_placeholder|>"
+    assert processor.media_pad_id == config.media_placeholder_token_id
     tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     assert [tok.convert_tokens_to_ids(t) for t in
-            ("[PAD]", "[BOS]", "[EOS]", "<|media_start|>", "<|media_pad|>", "<|media_end|>")] == list(range(6))
+            ("[PAD]", "[BOS]", "[EOS]", "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+             "<|kimi_image_placeholder|>")] == list(range(8))
     text = "def f(x):\n    return x * 2  # doubles\n"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     gen = json.loads((out / "generation_config.json").read_text())
@@ -107,14 +108,21 @@ def test_index_lists_every_model_tensor_with_checkpoint_shape_and_dtype(tiny):
         torch.Size(s).numel() * (2 if d == "BF16" else 1) for s, d in stored.values())
     # Names the toolkit relies on.
     for name in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
-                 "language_model.model.norm.weight", "vision_tower.patch_embed.weight", "vision_tower.pos_embed",
-                 "vision_tower.blocks.1.attn.qkv.weight", "vision_tower.post_norm.weight",
-                 "mm_projector.pre_norm.weight", "mm_projector.linear_2.weight",
+                 "language_model.model.norm.weight", "vision_tower.patch_embed.proj.weight",
+                 "vision_tower.patch_embed.pos_emb.weight", "vision_tower.encoder.blocks.1.wqkv.weight",
+                 "vision_tower.encoder.final_layernorm.weight", "mm_projector.proj.0.weight",
+                 "mm_projector.proj.2.weight", "mm_projector.post_norm.weight",
                  "language_model.model.layers.0.mlp.gate_proj.weight",
                  "language_model.model.layers.0.self_attn.q_conv1d.weight",
-                 "language_model.model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
-                 "language_model.model.layers.3.block_sparse_moe.latent_down_proj.weight",
-                 "language_model.model.layers.3.block_sparse_moe.latent_up_proj.weight",
+                 "language_model.model.layers.0.self_attention_res_proj.weight",
+                 "language_model.model.output_attn_res_proj.weight",
+                 "language_model.model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+                 "language_model.model.layers.3.self_attn.g_proj.weight",
+                 "language_model.model.layers.3.block_sparse_moe.routed_expert_down_proj.weight",
+                 "language_model.model.layers.3.block_sparse_moe.routed_expert_norm.weight",
+                 "language_model.model.layers.3.block_sparse_moe.routed_expert_up_proj.weight",
+                 "language_model.model.layers.4.eh_proj.weight",
+                 "language_model.model.layers.4.block_sparse_moe.experts.15.w1.weight_packed",
                  "language_model.model.layers.3.block_sparse_moe.gate.e_score_correction_bias",
                  "language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight",
                  "language_model.model.layers.3.block_sparse_moe.experts.15.w2.weight_packed"):
@@ -133,7 +141,7 @@ def test_quantization_config_targets_exactly_the_expert_linears(tiny):
     modules = {k.rsplit(".", 1)[0] for k in stored_tensor_info(out)}
     quantized = {m for m in modules if pattern.match(m)}
     packed = {k[: -len(".weight_packed")] for k in stored_tensor_info(out) if k.endswith(".weight_packed")}
-    assert quantized == packed and len(packed) == 3 * 16 * 3
+    assert quantized == packed and len(packed) == 4 * 16 * 3  # 3 MoE layers + the MTP layer, 16 experts, w1/w2/w3
     assert cfg["auto_map"]["AutoProcessor"] == "processing_kimi_k3.KimiK3Processor"
 
 
@@ -165,11 +173,11 @@ def test_tiny_forward_on_image_and_text_records_gives_finite_logits(tiny):
     model = _load(out, torch.bfloat16)
     processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
     record = processor(text=processor.image_token + "What is in this picture?", images=[_small_image()])
-    h, w = record["image_grid_hws"][0].tolist()
-    assert (h, w) == (6, 8) and record["pixel_values"].shape == (48, 3 * 14 * 14)
-    assert int((record["input_ids"] == processor.image_token_id).sum()) == (h // 2) * (w // 2)
+    t, h, w = record["grid_thws"][0].tolist()
+    assert (t, h, w) == (1, 6, 8) and record["pixel_values"].shape == (48, 3, 14, 14)
+    assert int((record["input_ids"] == processor.media_pad_id).sum()) == (h // 2) * (w // 2)
     with runtime_patches(model), torch.no_grad():
-        features = model.get_image_features(record["pixel_values"].to(torch.bfloat16), record["image_grid_hws"])
+        features = model.get_image_features(record["pixel_values"].to(torch.bfloat16), record["grid_thws"])
         assert features.shape == ((h // 2) * (w // 2), model.config.text_config.hidden_size)
         logits = model(**record).logits
         text_logits = model(**processor(text="Just some text.")).logits
@@ -228,7 +236,7 @@ def test_router_matches_transformers_native_topk_router(mc):
     pkg = mc.load_remote_package(mc.HERE)
     kw = dict(hidden_size=64, num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2,
               routed_scaling_factor=2.446, moe_renormalize=True)
-    ours = pkg.modeling_kimi_k3.KimiMoEGate(pkg.configuration_kimi_k3.KimiK3TextConfig(**kw))
+    ours = pkg.modeling_kimi_k3.KimiMoEGate(pkg.configuration_kimi_k3.KimiLinearConfig(**kw))
     native = KimiLinearTopkRouter(KimiLinearConfig(**kw))
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(16, 64, generator=g) * 0.1, torch.randn(16, generator=g) * 0.05
@@ -245,11 +253,13 @@ def test_router_matches_transformers_native_topk_router(mc):
 
 
 def test_latent_moe_block_equals_per_token_reference(mc):
-    """forward = latent_up(sum_k w_k * expert_k(latent_down(x))) + shared(x)."""
+    """forward = up(norm(sum_k w_k * expert_k(down(x)))) + shared(x) (vLLM 0.33 models/kimi_k3/nvidia/model.py:644-680:
+    the latent norm acts on the weighted expert sum; the shared experts read x)."""
     pkg = mc.load_remote_package(mc.HERE)
-    cfg = pkg.configuration_kimi_k3.KimiK3TextConfig(
-        hidden_size=64, num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, moe_latent_size=32,
-        num_shared_experts=1, initializer_range=0.1)
+    cfg = pkg.configuration_kimi_k3.KimiLinearConfig(
+        hidden_size=64, num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
+        latent_moe_use_norm=True, num_shared_experts=1, initializer_range=0.1, hidden_act="situ",
+        activation_situ_beta=4.0, activation_situ_linear_beta=25.0)
     torch.manual_seed(0)
     block = pkg.modeling_kimi_k3.KimiSparseMoeBlock(cfg)
     for p in block.parameters():
@@ -260,8 +270,9 @@ def test_latent_moe_block_equals_per_token_reference(mc):
         flat = x.reshape(-1, 64)
         idx, w = block.gate(flat)
         ref = torch.stack([
-            block.latent_up_proj(sum(w[n, k] * block.experts[int(idx[n, k])](block.latent_down_proj(flat[n]))
-                                     for k in range(2))) + block.shared_experts(flat[n])
+            block.routed_expert_up_proj(block.routed_expert_norm(sum(
+                w[n, k] * block.experts[int(idx[n, k])](block.routed_expert_down_proj(flat[n])) for k in range(2))))
+            + block.shared_experts(flat[n])
             for n in range(flat.shape[0])])
     torch.testing.assert_close(y.reshape(-1, 64), ref, atol=1e-5, rtol=0)
 
@@ -270,7 +281,7 @@ def test_bench_preset_builds_on_meta_with_about_1p5_gb_of_mxfp4_experts(mc):
     pkg = mc.load_remote_package(mc.HERE)
     cfg, _ = mc.build_configs("bench", [])
     conf = pkg.configuration_kimi_k3
-    config = conf.KimiK3Config(text_config=conf.KimiK3TextConfig(**cfg["text_config"]),
+    config = conf.KimiK3Config(text_config=conf.KimiLinearConfig(**cfg["text_config"]),
                                vision_config=conf.KimiK3VisionConfig(**cfg["vision_config"]))
     with torch.device("meta"):
         model = pkg.modeling_kimi_k3.KimiK3ForConditionalGeneration(config)
@@ -285,9 +296,10 @@ def test_odd_shapes_via_set_generate_load_and_run(mc, tmp_path):
     out = tmp_path / "odd"
     sets = ["text_config.hidden_size=768", "text_config.num_hidden_layers=5", "text_config.num_experts=12",
             "text_config.num_expert_group=4", "text_config.topk_group=2", "text_config.num_experts_per_token=3",
-            "text_config.moe_latent_size=96", "text_config.moe_intermediate_size=160",
-            "text_config.linear_attn_config.num_heads=3", "vision_config.hidden_size=96", "vision_config.depth=1",
-            "vision_config.num_heads=3"]
+            "text_config.routed_expert_hidden_size=96", "text_config.moe_intermediate_size=160",
+            "text_config.linear_attn_config.num_heads=3", "vision_config.vt_hidden_size=96",
+            "vision_config.qkv_hidden_size=96", "vision_config.vt_num_hidden_layers=1",
+            "vision_config.vt_num_attention_heads=3"]
     summary = mc.make_checkpoint(out, preset="tiny", sets=sets, max_shard_size="2MB")
     assert summary["n_shards"] >= 2
     cfg = json.loads((out / "config.json").read_text())["text_config"]
@@ -310,7 +322,7 @@ def test_text_only_writes_a_kimi_linear_directory(mc, tmp_path):
     out = tmp_path / "text"
     mc.make_checkpoint(out, preset="tiny", text_only=True)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["KimiLinearForCausalLM"] and cfg["model_type"] == "kimi_k3_text"
+    assert cfg["architectures"] == ["KimiLinearForCausalLM"] and cfg["model_type"] == "kimi_linear"
     assert "quantization_config" in cfg and "AutoProcessor" not in cfg["auto_map"]
     assert not (out / "processor_config.json").exists()
     names = set(stored_tensor_info(out))

@@ -3,7 +3,8 @@
 Reference: transformers 5.23 `KimiLinearForCausalLM` (its pure-torch KDA / conv fallbacks) on the real trained
 checkpoint ../shared/models/kimi-linear-mini (routed experts MXFP4, decoded to BF16 for both models), two
 128-token windows of ../shared/data/text/python_tutorial.txt tokenized with the mini's tokenizer.json.
-The stand-in reads the hub config.json as it is (moe_latent_size unset) and the hub tensor names strictly
+The stand-in reads the hub config.json as it is (no Kimi-K3 feature set: no latent MoE, attention residuals, SiTU,
+q-LoRA, output gate, full-rank KDA gate or MTP) and the hub tensor names strictly
 (after undoing one transformers save artefact, see _hub_name). The stand-in runs under msmodelslim's
 runtime_patches (pure-torch KDA / conv / gated norm for FLA's Triton kernels), the native class under
 transformers' own torch fallbacks, so this also checks the patches end to end on real weights.
@@ -63,8 +64,8 @@ def models(tmp_path_factory):
 
     # Stand-in: the remote code's text config takes the hub config.json unchanged.
     pkg = make_checkpoint_module().load_remote_package(make_checkpoint_module().HERE)
-    config = pkg.configuration_kimi_k3.KimiK3TextConfig(**hub_config)
-    assert config.moe_latent_size is None
+    config = pkg.configuration_kimi_k3.KimiLinearConfig(**hub_config)
+    assert config.routed_expert_hidden_size is None and config.attn_res_block_size is None
     standin = pkg.modeling_kimi_k3.KimiLinearForCausalLM(config)
     standin.load_state_dict({_hub_name(k, config): v.float() for k, v in state.items()}, strict=True)
     return native, standin.eval()

@@ -2,7 +2,7 @@
 """Write a random-weight Kimi-K3 weight directory shaped like the vendor's release.
 
     python example/multimodal_vlm/Kimi-K3/make_checkpoint.py --preset tiny --out DIR [--seed N]
-        [--set text_config.hidden_size=768 --set vision_config.depth=2 ...] [--text-only] [--max-shard-size 50MB]
+        [--set text_config.hidden_size=768 --set vision_config.vt_num_hidden_layers=2 ...] [--text-only] [--max-shard-size 50MB]
 
 The directory holds config.json (auto_map -> the remote code copied beside it, compressed-tensors MXFP4
 quantization_config), generation_config.json, a byte-level BPE tokenizer, processor_config.json, and
@@ -37,60 +37,91 @@ HERE = Path(__file__).resolve().parent
 REMOTE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "processing_kimi_k3.py")
 logger = logging.getLogger("make_checkpoint")
 
-SPECIAL_TOKENS = ["[PAD]", "[BOS]", "[EOS]", "<|media_start|>", "<|media_pad|>", "<|media_end|>"]
-PAD_ID, BOS_ID, EOS_ID, MEDIA_PAD_ID = 0, 1, 2, 4
+SPECIAL_TOKENS = ["[PAD]", "[BOS]", "[EOS]", "<|media_begin|>", "<|media_content|>", "<|media_end|>",
+                  "<|media_pad|>", "<|kimi_image_placeholder|>"]
+PAD_ID, BOS_ID, EOS_ID, MEDIA_PAD_ID = 0, 1, 2, 6
 EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 QUANT_TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 
+# Every preset has every Kimi-K3 feature: attention residuals, SiTU, the latent MoE with its norm, q-LoRA MLA with
+# the output gate, the full-rank KDA gate, MTP layers and the MoonViT tower. Layer lists are 1-indexed.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "max_shard_size": "1MB",
         "text_config": {
             "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-            "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2,
-                                   "head_dim": 64, "short_conv_kernel_size": 4},
+            "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
+                                   "head_dim": 64, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
             "num_attention_heads": 2, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-            "kv_lora_rank": 64, "q_lora_rank": None,
-            "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 64, "moe_latent_size": 64,
-            "num_shared_experts": 1, "first_k_dense_replace": 1, "num_expert_group": 1, "topk_group": 1,
+            "kv_lora_rank": 64, "q_lora_rank": 96, "attn_res_block_size": 2, "num_nextn_predict_layers": 1,
+            "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 64,
+            "routed_expert_hidden_size": 64, "num_shared_experts": 2, "first_k_dense_replace": 1,
         },
-        "vision_config": {"patch_size": 14, "hidden_size": 64, "depth": 2, "num_heads": 2, "intermediate_size": 128,
-                          "merge_kernel_size": [2, 2], "pos_emb_height": 16, "pos_emb_width": 16},
+        "vision_config": {"patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 2,
+                          "vt_num_attention_heads": 2, "qkv_hidden_size": 64, "vt_intermediate_size": 128,
+                          "init_pos_emb_height": 16, "init_pos_emb_width": 16},
+        "media_proc_cfg": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
     },
     "small": {
         "max_shard_size": "20MB",
         "text_config": {
             "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
             "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 4,
-                                   "head_dim": 128, "short_conv_kernel_size": 4},
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
             "num_attention_heads": 4, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
-            "kv_lora_rank": 128, "q_lora_rank": None,
-            "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 256, "moe_latent_size": 256,
-            "num_shared_experts": 1, "first_k_dense_replace": 1, "num_expert_group": 1, "topk_group": 1,
+            "kv_lora_rank": 128, "q_lora_rank": 192, "attn_res_block_size": 2, "num_nextn_predict_layers": 1,
+            "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 256,
+            "routed_expert_hidden_size": 256, "num_shared_experts": 2, "first_k_dense_replace": 1,
         },
-        "vision_config": {"patch_size": 14, "hidden_size": 256, "depth": 4, "num_heads": 4, "intermediate_size": 1024,
-                          "merge_kernel_size": [2, 2], "pos_emb_height": 32, "pos_emb_width": 32},
+        "vision_config": {"patch_size": 14, "vt_hidden_size": 256, "vt_num_hidden_layers": 4,
+                          "vt_num_attention_heads": 4, "qkv_hidden_size": 256, "vt_intermediate_size": 1024,
+                          "init_pos_emb_height": 32, "init_pos_emb_width": 32},
+        "media_proc_cfg": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
     },
-    # ~1.5 GB of MXFP4 routed experts: 7 MoE layers x 128 experts x 3 x (1024 x 1024).
+    # ~1.7 GB of MXFP4 routed experts: 7 MoE layers (+1 MTP) x 128 experts x 3 x (1024 x 1024).
     "bench": {
         "max_shard_size": "500MB",
         "text_config": {
             "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 8,
             "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 16,
-                                   "head_dim": 128, "short_conv_kernel_size": 4},
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
             "num_attention_heads": 16, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-            "kv_lora_rank": 512, "q_lora_rank": None,
-            "num_experts": 128, "num_experts_per_token": 8, "moe_intermediate_size": 1024, "moe_latent_size": 1024,
-            "num_shared_experts": 1, "first_k_dense_replace": 1, "num_expert_group": 1, "topk_group": 1,
+            "kv_lora_rank": 512, "q_lora_rank": 768, "attn_res_block_size": 4, "num_nextn_predict_layers": 1,
+            "num_experts": 128, "num_experts_per_token": 8, "moe_intermediate_size": 1024,
+            "routed_expert_hidden_size": 1024, "num_shared_experts": 2, "first_k_dense_replace": 1,
         },
-        "vision_config": {"patch_size": 14, "hidden_size": 512, "depth": 4, "num_heads": 8, "intermediate_size": 2048,
-                          "merge_kernel_size": [2, 2], "pos_emb_height": 32, "pos_emb_width": 32},
+        "vision_config": {"patch_size": 14, "vt_hidden_size": 512, "vt_num_hidden_layers": 4,
+                          "vt_num_attention_heads": 8, "qkv_hidden_size": 512, "vt_intermediate_size": 2048,
+                          "init_pos_emb_height": 32, "init_pos_emb_width": 32},
+        "media_proc_cfg": {"in_patch_limit": 4096, "patch_limit_on_one_side": 128},
+    },
+    # One full-size Kimi-K3 MoE layer (released sizes where public: docs/dev/facts/kimi_k3_in_vllm_0.33.md section
+    # 6): hidden 7168, 896 experts top-16 of 3072 x 3584 (latent), shared width 6144, KDA 96 x 128, MLA 96 heads.
+    "layer": {
+        "max_shard_size": "4GB",
+        "text_config": {
+            "vocab_size": 4096, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 1,
+            "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [], "num_heads": 96,
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+            "num_attention_heads": 96, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "kv_lora_rank": 512, "q_lora_rank": 1536, "attn_res_block_size": 8, "num_nextn_predict_layers": 0,
+            "num_experts": 896, "num_experts_per_token": 16, "moe_intermediate_size": 3072,
+            "routed_expert_hidden_size": 3584, "num_shared_experts": 2, "first_k_dense_replace": 0,
+        },
+        "vision_config": {"patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 1,
+                          "vt_num_attention_heads": 2, "qkv_hidden_size": 64, "vt_intermediate_size": 128,
+                          "init_pos_emb_height": 16, "init_pos_emb_width": 16},
+        "media_proc_cfg": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
     },
 }
-TEXT_COMMON = {"routed_scaling_factor": 2.446, "moe_renormalize": True, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-               "initializer_range": 0.02, "tie_word_embeddings": False, "model_max_length": 8192,
-               "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-               "media_placeholder_token_id": MEDIA_PAD_ID}
+# Released values where the public sources show them (SiTU betas, sigmoid top-k in one group, latent norm).
+TEXT_COMMON = {"routed_scaling_factor": 2.446, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+               "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5,
+               "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+               "latent_moe_use_norm": True, "mla_use_nope": True, "mla_use_output_gate": True,
+               "initializer_range": 0.02, "tie_word_embeddings": False, "max_position_embeddings": 8192,
+               "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+MEDIA_PROC_COMMON = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "fixed_output_tokens": None}
 
 # Deterministic tokenizer corpus (our own text); the shipped remote code is appended so code tokenizes well too.
 CORPUS = """\
@@ -151,6 +182,7 @@ def build_configs(preset: str, sets: list[str]) -> tuple[dict[str, Any], str]:
     p = copy.deepcopy(PRESETS[preset])
     max_shard = p.pop("max_shard_size")
     p["text_config"] = {**TEXT_COMMON, **p["text_config"]}
+    p["media_proc_cfg"] = {**MEDIA_PROC_COMMON, **p["media_proc_cfg"]}
     p["media_placeholder_token_id"] = MEDIA_PAD_ID
     return apply_overrides(p, sets), max_shard
 
@@ -198,8 +230,9 @@ def train_tokenizer(vocab_size: int, out: Path) -> None:
             raise RuntimeError(f"tokenizer: special token {t} got id {tok.token_to_id(t)}, expected {i}")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token=None,
-        extra_special_tokens={"media_start_token": "<|media_start|>", "media_pad_token": "<|media_pad|>",
-                              "media_end_token": "<|media_end|>"},
+        extra_special_tokens={"media_begin_token": "<|media_begin|>", "media_content_token": "<|media_content|>",
+                              "media_end_token": "<|media_end|>", "media_pad_token": "<|media_pad|>",
+                              "image_token": "<|kimi_image_placeholder|>"},
         model_max_length=8192, clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(out)
@@ -230,9 +263,9 @@ def tensor_specs(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, ...],
             if full in seen:
                 continue
             seen.add(full)
-            if pname in ("A_log", "dt_bias", "e_score_correction_bias", "pos_embed"):
+            if pname in ("A_log", "dt_bias", "e_score_correction_bias"):
                 kind = pname
-            elif cls in ("KimiRMSNorm", "FusedRMSNormGated", "LayerNorm") and pname == "weight":
+            elif cls in ("KimiRMSNorm", "FusedRMSNormGated", "RMSNorm") and pname == "weight":
                 kind = "norm"
             elif pname == "bias":
                 kind = "bias"
@@ -368,20 +401,20 @@ def make_checkpoint(
 
     pkg = load_remote_package(HERE)
     conf_mod, model_mod = pkg.configuration_kimi_k3, pkg.modeling_kimi_k3
-    text_cfg = conf_mod.KimiK3TextConfig(**cfg["text_config"])
+    text_cfg = conf_mod.KimiLinearConfig(**cfg["text_config"])
     if text_only:
         config = text_cfg
         model_cls = model_mod.KimiLinearForCausalLM
         arch = "KimiLinearForCausalLM"
         auto_map = {
-            "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
+            "AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
             "AutoModel": "modeling_kimi_k3.KimiLinearForCausalLM",
             "AutoModelForCausalLM": "modeling_kimi_k3.KimiLinearForCausalLM",
         }
     else:
         config = conf_mod.KimiK3Config(
             text_config=text_cfg, vision_config=conf_mod.KimiK3VisionConfig(**cfg["vision_config"]),
-            **{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")},
+            **{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "media_proc_cfg")},
         )
         model_cls = model_mod.KimiK3ForConditionalGeneration
         arch = "KimiK3ForConditionalGeneration"
@@ -392,7 +425,7 @@ def make_checkpoint(
             "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
             "AutoProcessor": "processing_kimi_k3.KimiK3Processor",
         }
-    for name in ("moe_latent_size", "hidden_size", "moe_intermediate_size"):
+    for name in ("routed_expert_hidden_size", "hidden_size", "moe_intermediate_size"):
         v = getattr(text_cfg, name) or 0
         if v % 32:
             raise ValueError(f"text_config.{name}={v}: MXFP4 experts need in_features divisible by 32")
@@ -415,10 +448,10 @@ def make_checkpoint(
     t_tok = time.perf_counter() - t_tok
     if not text_only:
         vc = config.vision_config
+        media = {"patch_size": vc.patch_size, "merge_kernel_size": vc.merge_kernel_size[0], **cfg["media_proc_cfg"]}
         (out / "processor_config.json").write_text(json.dumps(
-            {"auto_map": {"AutoProcessor": "processing_kimi_k3.KimiK3Processor"}, "patch_size": vc.patch_size,
-             "merge_kernel_size": list(vc.merge_kernel_size), "image_mean": [0.5, 0.5, 0.5],
-             "image_std": [0.5, 0.5, 0.5], "max_patches": 1024}, indent=2) + "\n")
+            {"auto_map": {"AutoProcessor": "processing_kimi_k3.KimiK3Processor"}, "media_proc_cfg": media},
+            indent=2) + "\n")
 
     writer = ShardWriter(out, max_bytes)
     std = text_cfg.initializer_range

@@ -1,16 +1,23 @@
 # Stand-in for the vendor's Kimi-K3 modeling file (remote code, loaded with trust_remote_code=True).
 #
-# Written the way the Kimi-Linear Hugging Face modeling file is: the KDA layer calls FLA's Triton kernels
-# directly, so on a host without a Triton GPU backend the model only runs after the toolkit's runtime patches
-# replace `chunk_kda`, `fused_recurrent_kda`, `fused_kda_gate` (module globals here) and the forwards of
+# The architecture, the module tree and every checkpoint tensor name follow the public Kimi-K3 implementation
+# (vLLM 0.33.0, `vllm/models/kimi_k3/nvidia/{model,kda,mla,mtp}.py`, `ops/attn_res.py`,
+# `vllm/model_executor/models/kimi_k25_vit.py`); the facts, with file:line, are in
+# docs/dev/facts/kimi_k3_in_vllm_0.33.md. Written the way a Hugging Face modeling file is: the KDA layer calls FLA's
+# Triton kernels directly, so on a host without a Triton GPU backend the model only runs after the toolkit's runtime
+# patches replace `chunk_kda`, `fused_recurrent_kda`, `fused_kda_gate` (module globals here) and the forwards of
 # `ShortConvolution` / `FusedRMSNormGated`.
 #
 # Module tree (checkpoint names):
-#   vision_tower.{patch_embed, pos_embed, blocks.{j}.{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}, post_norm}
-#   mm_projector.{pre_norm, linear_1, linear_2}
-#   language_model.model.{embed_tokens, layers.{i}, norm}, language_model.lm_head
-# A decoder layer holds `self_attn` (KimiDeltaAttention or KimiMLAAttention) and `mlp` (dense, layers before
-# first_k_dense_replace) or `block_sparse_moe` (latent MoE).
+#   vision_tower.{patch_embed.{proj, pos_emb}, encoder.{blocks.{j}.{norm0, wqkv, wo, norm1, mlp.fc0, mlp.fc1},
+#                 final_layernorm}}
+#   mm_projector.{proj.0, proj.2, post_norm}                                           (patchmergerv2)
+#   language_model.model.{embed_tokens, layers.{i}, norm, output_attn_res_norm, output_attn_res_proj}
+#   language_model.lm_head
+# Decoder layer i < num_hidden_layers: `self_attn` (KDA if (i+1) in kda_layers, else NoPE MLA), `mlp` (dense) or
+# `block_sparse_moe` (latent MoE), `input_layernorm`, `post_attention_layernorm` and, with attention residuals,
+# `self_attention_res_{norm,proj}` / `mlp_res_{norm,proj}`. Layers num_hidden_layers.. are the MTP layers
+# (`enorm`, `hnorm`, `eh_proj`, `shared_head.{norm,head}` + one decoder block); the main forward never runs them.
 from __future__ import annotations
 
 import math
@@ -24,20 +31,20 @@ from fla.ops.kda import chunk_kda, fused_recurrent_kda
 from fla.ops.kda.gate import fused_kda_gate
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig
+from .configuration_kimi_k3 import KimiK3Config, KimiK3VisionConfig, KimiLinearConfig
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Cache (prefill + single-token decode)
 # --------------------------------------------------------------------------------------------------------------------
 class KimiDynamicCache:
-    """Per-layer decode state: KDA conv tails + recurrent state, MLA compressed latents (kv_nope, k_rot)."""
+    """Per-layer decode state: KDA conv tails + recurrent state, MLA compressed latents (kv_nope, k_rot).
+    Attention residuals mix over depth for one token, so they need no cache."""
 
-    def __init__(self, config: KimiK3TextConfig) -> None:
+    def __init__(self, config: KimiLinearConfig) -> None:
         n = config.num_hidden_layers
         self.conv_states: list[tuple[torch.Tensor, ...] | None] = [None] * n
         self.recurrent_states: list[torch.Tensor | None] = [None] * n
@@ -75,46 +82,74 @@ class KimiRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+class KimiGatedActivation(nn.Module):
+    """act(gate) * up. `silu`: silu(gate) * up. `situ` (Kimi-K3): beta*tanh(gate/beta)*sigmoid(gate) times
+    linear_beta*tanh(up/linear_beta) (up unchanged when linear_beta is unset); computed in fp32."""
+
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.kind = config.hidden_act
+        self.beta = float(config.activation_situ_beta or 1.0)
+        lb = config.activation_situ_linear_beta
+        self.linear_beta = float(lb) if lb is not None and lb > 0 else None
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        g, u = gate.float(), up.float()
+        act = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
+        if self.linear_beta is not None:
+            u = self.linear_beta * torch.tanh(u / self.linear_beta)
+        return (act * u).to(gate.dtype)
+
+    def extra_repr(self) -> str:
+        return self.kind if self.kind == "silu" else f"situ, beta={self.beta}, linear_beta={self.linear_beta}"
+
+
 class KimiMLP(nn.Module):
-    def __init__(self, config: KimiK3TextConfig, hidden_size: int | None = None, intermediate_size: int | None = None):
+    """Dense MLP and shared experts: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: KimiLinearConfig, hidden_size: int | None = None, intermediate_size: int | None = None):
         super().__init__()
         self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
         self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = KimiGatedActivation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class KimiBlockSparseMLP(nn.Module):
-    """One routed expert: w1 gate, w3 up, w2 down (in the latent space when moe_latent_size is set)."""
+    """One routed expert: w1 gate, w3 up, w2 down (in the latent space when routed_expert_hidden_size is set)."""
 
-    def __init__(self, config: KimiK3TextConfig, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, config: KimiLinearConfig, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.ffn_dim = intermediate_size
         self.hidden_dim = hidden_size
         self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
         self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
         self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = KimiGatedActivation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+        return self.w2(self.act_fn(self.w1(hidden_states), self.w3(hidden_states)))
 
 
 class KimiMoEGate(nn.Module):
-    """Sigmoid router with e_score_correction_bias and grouped top-k; weights come from the unbiased scores."""
+    """Router: fp32 logits, sigmoid (or softmax) scores; experts chosen on scores + e_score_correction_bias with
+    grouped top-k; weights are the unbiased scores, renormalised, times routed_scaling_factor."""
 
-    def __init__(self, config: KimiK3TextConfig) -> None:
+    def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_token
         self.num_experts = config.num_experts
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.n_group = config.num_expert_group
-        self.topk_group = config.topk_group
+        self.scoring = config.moe_router_activation_func
+        self.n_group = config.num_expert_group if config.use_grouped_topk else 1
+        self.topk_group = config.topk_group if config.use_grouped_topk else 1
         self.moe_renormalize = config.moe_renormalize
         self.hidden_size = config.hidden_size
         if self.num_experts % self.n_group:
@@ -124,44 +159,42 @@ class KimiMoEGate(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_size)
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         scores_for_choice = scores + self.e_score_correction_bias.float()
         n_tokens = scores.shape[0]
-        group_scores = (
-            scores_for_choice.view(n_tokens, self.n_group, -1).topk(min(2, self.num_experts // self.n_group), dim=-1)[0]
-            .sum(dim=-1)
-        )
+        per_group = self.num_experts // self.n_group
+        group_scores = scores_for_choice.view(n_tokens, self.n_group, -1).topk(min(2, per_group), dim=-1)[0].sum(-1)
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(n_tokens, self.n_group, self.num_experts // self.n_group)
-        scores_for_choice = scores_for_choice.masked_fill(~score_mask.reshape(n_tokens, -1).bool(), float("-inf"))
+        score_mask = group_mask.unsqueeze(-1).expand(n_tokens, self.n_group, per_group).reshape(n_tokens, -1)
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
         topk_idx = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_weight = scores.gather(1, topk_idx)
-        if self.top_k > 1 and self.moe_renormalize:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_weight = topk_weight * self.routed_scaling_factor
-        return topk_idx, topk_weight
+        if self.moe_renormalize:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        return topk_idx, topk_weight * self.routed_scaling_factor
 
 
 class KimiSparseMoeBlock(nn.Module):
-    """Latent MoE: routed experts run in a moe_latent_size space entered/left through latent projections;
-    the shared experts run at hidden size. With moe_latent_size unset it is the plain Kimi-Linear MoE."""
+    """Latent MoE: z = routed_expert_down_proj(x); y = sum_k w_k expert_k(z); routed = routed_expert_up_proj(
+    routed_expert_norm(y)); out = routed + shared_experts(x). Without routed_expert_hidden_size the experts read and
+    write the hidden size directly (Kimi-Linear)."""
 
-    def __init__(self, config: KimiK3TextConfig) -> None:
+    def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__()
         self.config = config
         self.hidden_size = config.hidden_size
         self.num_experts = config.num_experts
         self.num_experts_per_token = config.num_experts_per_token
-        self.moe_latent_size = config.moe_latent_size
-        expert_dim = self.moe_latent_size or self.hidden_size
+        self.latent_size = config.routed_expert_hidden_size
+        expert_dim = self.latent_size or self.hidden_size
         self.gate = KimiMoEGate(config)
-        if self.moe_latent_size:
-            self.latent_down_proj = nn.Linear(self.hidden_size, self.moe_latent_size, bias=False)
-            self.latent_up_proj = nn.Linear(self.moe_latent_size, self.hidden_size, bias=False)
-        else:
-            self.latent_down_proj = None
-            self.latent_up_proj = None
+        if self.latent_size:
+            self.routed_expert_down_proj = nn.Linear(self.hidden_size, self.latent_size, bias=False)
+            self.routed_expert_norm = (KimiRMSNorm(self.latent_size, eps=config.rms_norm_eps)
+                                       if config.latent_moe_use_norm else None)
+            self.routed_expert_up_proj = nn.Linear(self.latent_size, self.hidden_size, bias=False)
         self.experts = nn.ModuleList(
             [KimiBlockSparseMLP(config, expert_dim, config.moe_intermediate_size) for _ in range(self.num_experts)]
         )
@@ -175,9 +208,13 @@ class KimiSparseMoeBlock(nn.Module):
         orig_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         topk_idx, topk_weight = self.gate(x)
-        x_lat = self.latent_down_proj(x) if self.latent_down_proj is not None else x
-        y_lat = self.moe_infer(x_lat, topk_idx, topk_weight)
-        y = self.latent_up_proj(y_lat) if self.latent_up_proj is not None else y_lat
+        if self.latent_size:
+            y = self.moe_infer(self.routed_expert_down_proj(x), topk_idx, topk_weight)
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = self.moe_infer(x, topk_idx, topk_weight)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(orig_shape)
@@ -196,9 +233,10 @@ class KimiSparseMoeBlock(nn.Module):
 
 
 class KimiMLAAttention(nn.Module):
-    """Multi-head latent attention without positional encoding (NoPE); k_rot is shared across heads."""
+    """Multi-head latent attention without positional encoding (NoPE; k_pe shared across heads, never rotated),
+    with q-LoRA (q_a_proj -> q_a_layernorm -> q_b_proj) and an optional sigmoid output gate g_proj."""
 
-    def __init__(self, config: KimiK3TextConfig, layer_idx: int) -> None:
+    def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -214,13 +252,15 @@ class KimiMLAAttention(nn.Module):
             self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.q_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank)
+            self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank)
+        self.kv_a_layernorm = KimiRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=False)
         self.softmax_scale = self.q_head_dim ** (-0.5)
 
@@ -261,13 +301,17 @@ class KimiMLAAttention(nn.Module):
             mask = mask | (ki == qi)[None, None]
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=self.softmax_scale)
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
+        if getattr(self, "g_proj", None) is not None:
+            out = out * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(out)
 
 
 class KimiDeltaAttention(nn.Module):
-    """Kimi Delta Attention (KDA): gated delta rule with a per-channel decay, FLA kernels."""
+    """Kimi Delta Attention (KDA): gated delta rule with a per-channel decay, FLA kernels. The output gate is
+    full rank (`g_proj`, Kimi-K3: linear_attn_config.use_full_rank_gate) or low rank (`g_a_proj` -> `g_b_proj`,
+    Kimi-Linear); the forget gate is always low rank (f_a_proj -> f_b_proj)."""
 
-    def __init__(self, config: KimiK3TextConfig, layer_idx: int) -> None:
+    def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -277,6 +321,8 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = lac["head_dim"]
         self.num_heads = lac["num_heads"]
         self.head_k_dim = self.head_dim
+        self.full_rank_gate = bool(lac.get("use_full_rank_gate", False))
+        self.gate_lower_bound = lac.get("gate_lower_bound")
         projection_size = self.num_heads * self.head_dim
 
         self.q_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
@@ -291,9 +337,13 @@ class KimiDeltaAttention(nn.Module):
         self.f_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(projection_size, dtype=torch.float32))
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
-        self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
-        self.o_norm = FusedRMSNormGated(self.head_dim, eps=config.rms_norm_eps, activation="sigmoid")
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(self.hidden_size, projection_size, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
+        # FusedRMSNormGated's own eps (1e-5), as the serving kernel uses, not rms_norm_eps.
+        self.o_norm = FusedRMSNormGated(self.head_dim, eps=1e-5, activation="sigmoid")
         self.o_proj = nn.Linear(projection_size, self.hidden_size, bias=False)
 
     def forward(
@@ -321,7 +371,7 @@ class KimiDeltaAttention(nn.Module):
 
         g = self.f_b_proj(self.f_a_proj(hidden_states))
         g = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
-        g = fused_kda_gate(g, self.A_log, dt_bias=self.dt_bias)  # fp32 log-decay, <= 0
+        g = fused_kda_gate(g, self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound)  # fp32, <= 0
         beta = self.b_proj(hidden_states).float().sigmoid()
 
         q, k, v = (rearrange(x, "... (h d) -> ... h d", d=self.head_dim) for x in (q, k, v))
@@ -339,14 +389,28 @@ class KimiDeltaAttention(nn.Module):
             cache_params.recurrent_states[self.layer_idx] = recurrent_state
             cache_params.conv_states[self.layer_idx] = (conv_state_q, conv_state_k, conv_state_v)
 
-        gate = rearrange(self.g_b_proj(self.g_a_proj(hidden_states)), "... (h d) -> ... h d", d=self.head_dim)
-        o = self.o_norm(o, gate)
+        gate = self.g_proj(hidden_states) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(hidden_states))
+        o = self.o_norm(o, rearrange(gate, "... (h d) -> ... h d", d=self.head_dim))
         o = rearrange(o, "b t h d -> b t (h d)")
         return self.o_proj(o)
 
 
+def attn_res_mix(sources: list[torch.Tensor], norm: KimiRMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """Attention residual: sum_i softmax_i(RMSNorm(s_i; norm) . proj) s_i over the sources, in fp32 (the raw,
+    un-normalised sources are mixed; the caller applies the output norm)."""
+    stacked = torch.stack([s.float() for s in sources], dim=-2)  # [..., n, H]
+    logits = F.linear(norm(stacked), proj.weight.float()).squeeze(-1)  # [..., n]
+    alpha = torch.softmax(logits, dim=-1)
+    return (alpha.unsqueeze(-1) * stacked).sum(dim=-2)
+
+
 class KimiDecoderLayer(nn.Module):
-    def __init__(self, config: KimiK3TextConfig, layer_idx: int) -> None:
+    """Pre-norm decoder layer. With attn_res_block_size B the residual stream is the list of finished block sums
+    (block 0 = the embeddings) plus the running prefix p of the current block: the input of attention and of the
+    MLP is RMSNorm(attn_res_mix(blocks + [p])) with the layer norms as the output norms; a layer with
+    index % B == 0 stores p as a new block and starts the next one with its attention output."""
+
+    def __init__(self, config: KimiLinearConfig, layer_idx: int, attn_res: bool = True) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
@@ -361,6 +425,21 @@ class KimiDecoderLayer(nn.Module):
             self.mlp = KimiMLP(config)
         self.input_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_res_block_size = config.attn_res_block_size if attn_res else None
+        if self.attn_res_block_size:
+            h, eps = config.hidden_size, config.rms_norm_eps
+            self.self_attention_res_norm = KimiRMSNorm(h, eps=eps)
+            self.self_attention_res_proj = nn.Linear(h, 1, bias=False)
+            self.mlp_res_norm = KimiRMSNorm(h, eps=eps)
+            self.mlp_res_proj = nn.Linear(h, 1, bias=False)
+
+    def _attn(self, x, attention_mask, cache):
+        if self.is_linear_attn:
+            return self.self_attn(x, attention_mask=attention_mask, cache_params=cache)
+        return self.self_attn(x, attention_mask=attention_mask, past_key_values=cache)
+
+    def _ffn(self, x):
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
     def forward(
         self,
@@ -369,58 +448,91 @@ class KimiDecoderLayer(nn.Module):
         position_ids: torch.LongTensor | None = None,
         past_key_values: KimiDynamicCache | None = None,
         use_cache: bool | None = False,
+        attn_res_blocks: list[torch.Tensor] | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
-        """attention_mask: None (all tokens real) or 2-D [batch, past+seq] with 1 for real tokens."""
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """attention_mask: None (all tokens real) or 2-D [batch, past+seq] with 1 for real tokens.
+        Without attention residuals: hidden_states -> hidden_states. With them: (p, blocks) -> (p, blocks), where
+        p already includes this layer's MLP output."""
         cache = past_key_values if use_cache else None
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        if self.is_linear_attn:
-            hidden_states = self.self_attn(hidden_states, attention_mask=attention_mask, cache_params=cache)
-        else:
-            hidden_states = self.self_attn(hidden_states, attention_mask=attention_mask, past_key_values=cache)
-        hidden_states = residual + hidden_states
+        if not self.attn_res_block_size:
+            residual = hidden_states
+            hidden_states = residual + self._attn(self.input_layernorm(hidden_states), attention_mask, cache)
+            residual = hidden_states
+            return residual + self._ffn(self.post_attention_layernorm(hidden_states))
 
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        if hasattr(self, "block_sparse_moe"):
-            hidden_states = self.block_sparse_moe(hidden_states)
-        else:
-            hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        dtype = hidden_states.dtype
+        prefix = hidden_states
+        blocks = list(attn_res_blocks or [])
+        starts_block = self.layer_idx % self.attn_res_block_size == 0
+        if starts_block:
+            blocks.append(prefix)
+        sources = (blocks[:-1] if starts_block else blocks) + [prefix]
+        x = self.input_layernorm(attn_res_mix(sources, self.self_attention_res_norm, self.self_attention_res_proj))
+        attn_out = self._attn(x.to(dtype), attention_mask, cache)
+        prefix = attn_out if starts_block else prefix + attn_out
+        x = self.post_attention_layernorm(attn_res_mix(blocks + [prefix], self.mlp_res_norm, self.mlp_res_proj))
+        return prefix + self._ffn(x.to(dtype)), blocks
+
+
+class KimiMTPHead(nn.Module):
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class KimiMTPLayer(KimiDecoderLayer):
+    """Multi-token prediction layer (stored as model.layers.{num_hidden_layers + i}): one standard-residual decoder
+    block on eh_proj([enorm(e) | hnorm(h)]), where h is the main model's final hidden state (after the output
+    attention-residual mix, before model.norm) or the previous MTP step's, and e the embedding of the next token
+    (zero at position 0)."""
+
+    def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx, attn_res=False)
+        h = config.hidden_size
+        self.enorm = KimiRMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = KimiRMSNorm(h, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = KimiMTPHead(config)
+
+    def forward(self, hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h [B, T, H], next-token embeddings [B, T, H]) -> (h_next, logits)."""
+        if inputs_embeds is None:
+            raise ValueError("KimiMTPLayer needs inputs_embeds (the embeddings of the next tokens)")
+        z = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
+        h_next = super().forward(z, attention_mask=attention_mask)
+        return h_next, self.shared_head.head(self.shared_head.norm(h_next))
 
 
 def _init_kimi_weights(module: nn.Module, std: float) -> None:
-    if isinstance(module, nn.Linear):
-        init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, (nn.Linear, nn.Conv2d)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
-            init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
-        init.normal_(module.weight, mean=0.0, std=std)
+        nn.init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, ShortConvolution):
-        init.normal_(module.weight, mean=0.0, std=0.5 / math.sqrt(module.kernel_size[0]))
+        nn.init.normal_(module.weight, mean=0.0, std=0.5 / math.sqrt(module.kernel_size[0]))
         if module.bias is not None:
-            init.zeros_(module.bias)
-    elif isinstance(module, (KimiRMSNorm, FusedRMSNormGated)):
-        init.ones_(module.weight)
-    elif isinstance(module, nn.LayerNorm):
-        init.ones_(module.weight)
-        init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, (KimiRMSNorm, FusedRMSNormGated, nn.RMSNorm)):
+        nn.init.ones_(module.weight)
     elif isinstance(module, KimiDeltaAttention):
         # FLA's init: A ~ U(1, 16); dt ~ logU(1e-3, 1e-1) stored as inverse softplus.
-        init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+        module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
         dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
-        init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     elif isinstance(module, KimiMoEGate):
-        init.normal_(module.weight, mean=0.0, std=std)
-        init.zeros_(module.e_score_correction_bias)
-    elif isinstance(module, KimiK3VisionTower) and module.pos_embed is not None:
-        init.normal_(module.pos_embed, mean=0.0, std=std)
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        nn.init.zeros_(module.e_score_correction_bias)
+    elif isinstance(module, MoonViTPosEmb):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
 
 
 class KimiPreTrainedModel(PreTrainedModel):
-    config_class = KimiK3TextConfig
-    config: KimiK3TextConfig
+    config_class = KimiLinearConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["KimiDecoderLayer"]
@@ -434,13 +546,18 @@ class KimiPreTrainedModel(PreTrainedModel):
 
 
 class KimiLinearModel(KimiPreTrainedModel):
-    def __init__(self, config: KimiK3TextConfig) -> None:
+    def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
+        n = config.num_hidden_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(n)]
+                                    + [KimiMTPLayer(config, n + i) for i in range(config.num_nextn_predict_layers)])
         self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -448,6 +565,12 @@ class KimiLinearModel(KimiPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
+
+    def final_hidden(self, prefix: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The model's output state h (before model.norm): the output attention-residual mix, no output norm."""
+        if not self.config.attn_res_block_size:
+            return prefix
+        return attn_res_mix(blocks + [prefix], self.output_attn_res_norm, self.output_attn_res_proj).to(prefix.dtype)
 
     def forward(
         self,
@@ -459,6 +582,7 @@ class KimiLinearModel(KimiPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        """last_hidden_state is normed (model.norm); hidden_states[-1] is the pre-norm h the MTP layers read."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -470,22 +594,22 @@ class KimiLinearModel(KimiPreTrainedModel):
                 raise ValueError(f"attention_mask must be 2-D [batch, seq] (1 = token), got {tuple(attention_mask.shape)}")
             if bool(attention_mask.all()):
                 attention_mask = None  # no padding: every layer takes its unmasked path
-        hidden_states = inputs_embeds
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, use_cache=use_cache,
-            )
-        hidden_states = self.norm(hidden_states)
+        hidden_states, blocks = inputs_embeds, []
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            out = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=past_key_values, use_cache=use_cache, attn_res_blocks=blocks)
+            hidden_states, blocks = out if isinstance(out, tuple) else (out, blocks)
+        final = self.final_hidden(hidden_states, blocks)
         if use_cache:
             past_key_values.seen_tokens += inputs_embeds.shape[1]
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(final), hidden_states=(final,),
+                                       past_key_values=past_key_values if use_cache else None)
 
 
 class KimiLinearForCausalLM(KimiPreTrainedModel):
     _tied_weights_keys = {}
 
-    def __init__(self, config: KimiK3TextConfig) -> None:
+    def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
         self.model = KimiLinearModel(config)
         self.vocab_size = config.vocab_size
@@ -522,127 +646,180 @@ class KimiLinearForCausalLM(KimiPreTrainedModel):
             loss = F.cross_entropy(
                 logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states)
+
+    @torch.no_grad()
+    def mtp_logits(self, input_ids: torch.LongTensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                   ) -> list[torch.Tensor]:
+        """Logits of each MTP step over positions 0..T-2-step: step s predicts token t+s+2 at position t."""
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        h = self.model(inputs_embeds=inputs_embeds).hidden_states[-1]
+        out = []
+        for step, layer in enumerate(self.model.layers[self.config.num_hidden_layers:]):
+            e = inputs_embeds[:, step + 1:].clone()
+            e[:, 0] = 0  # vLLM zeroes the embedding at position 0
+            h, logits = layer(h[:, : e.shape[1]], inputs_embeds=e)
+            out.append(logits)
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Vision tower + projector
+# Vision tower (MoonViT) + projector (patchmergerv2)
 # --------------------------------------------------------------------------------------------------------------------
-class KimiK3VisionAttention(nn.Module):
+def _sincos_1d(dim: int, length: int) -> torch.Tensor:
+    """Fixed 1-D sin/cos table [length, dim] (the temporal position of video frames)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * omega[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).float()
+
+
+class MoonViTPosEmb(nn.Module):
+    """Learned [Ph, Pw, D] table, bilinearly interpolated to other grids; frames add a fixed sincos time table."""
+
     def __init__(self, config: KimiK3VisionConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.head_dim = config.hidden_size // config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.mode = config.pos_emb_interpolation_mode
+        self.max_time = config.init_pos_emb_time
+        self.weight = nn.Parameter(torch.empty(config.init_pos_emb_height, config.init_pos_emb_width,
+                                               config.vt_hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [n_patches, D] of ONE image; attention is bidirectional over its patches."""
+    def forward(self, x: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        out, start = [], 0
+        for t, h, w in grid_thws.tolist():
+            if t > self.max_time:
+                raise ValueError(f"grid t={t} exceeds init_pos_emb_time={self.max_time}")
+            table = self.weight
+            if tuple(table.shape[:2]) != (h, w):
+                table = F.interpolate(table.float().permute(2, 0, 1)[None], size=(h, w), mode=self.mode)[0]
+                table = table.permute(1, 2, 0)
+            pos = table.reshape(1, h * w, -1).to(x.dtype).expand(t, -1, -1)
+            if t > 1:
+                pos = pos + _sincos_1d(pos.shape[-1], t).to(x.device, x.dtype)[:, None]
+            out.append(x[start:start + t * h * w] + pos.reshape(t * h * w, -1))
+            start += t * h * w
+        if start != x.shape[0]:
+            raise ValueError(f"grid_thws covers {start} patches but pixel_values has {x.shape[0]}")
+        return torch.cat(out, dim=0)
+
+
+class MoonViTPatchEmbed(nn.Module):
+    def __init__(self, config: KimiK3VisionConfig) -> None:
+        super().__init__()
+        p = config.patch_size
+        self.proj = nn.Conv2d(3, config.vt_hidden_size, kernel_size=p, stride=p, bias=config.patch_embed_proj_bias)
+        self.pos_emb = MoonViTPosEmb(config)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        x = self.proj(pixel_values.to(self.proj.weight.dtype)).flatten(1)  # [n_patches, D]
+        return self.pos_emb(x, grid_thws)
+
+
+def _rope_2d(head_dim: int, h: int, w: int, device: torch.device) -> torch.Tensor:
+    """cis angles [h*w, head_dim/2], interleaved [x f_0, y f_0, x f_1, y f_1, ...] with f_j = 10000^(-4j/d)."""
+    freqs = 1.0 / 10000 ** (torch.arange(0, head_dim, 4, device=device, dtype=torch.float32)[: head_dim // 4]
+                            / head_dim)
+    ys, xs = torch.meshgrid(torch.arange(h, device=device, dtype=torch.float32),
+                            torch.arange(w, device=device, dtype=torch.float32), indexing="ij")
+    angles = torch.stack([xs.reshape(-1, 1) * freqs, ys.reshape(-1, 1) * freqs], dim=-1)  # [hw, d/4, 2]
+    return torch.polar(torch.ones_like(angles), angles).reshape(h * w, head_dim // 2)
+
+
+def _apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d]; rotate interleaved pairs (2i, 2i+1) by cis [n, d/2], in fp32."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * cis[:, None]).flatten(-2).to(x.dtype)
+
+
+class MoonViTEncoderLayer(nn.Module):
+    def __init__(self, config: KimiK3VisionConfig) -> None:
+        super().__init__()
+        d, q = config.vt_hidden_size, config.qkv_hidden_size
+        self.num_heads = config.vt_num_attention_heads
+        self.head_dim = q // self.num_heads
+        self.norm0 = nn.RMSNorm(d)
+        self.norm1 = nn.RMSNorm(d)
+        self.wqkv = nn.Linear(d, 3 * q, bias=config.attn_bias)
+        self.wo = nn.Linear(q, d, bias=config.attn_bias)
+        self.mlp = nn.Module()
+        self.mlp.fc0 = nn.Linear(d, config.vt_intermediate_size, bias=config.linear_bias)
+        self.mlp.fc1 = nn.Linear(config.vt_intermediate_size, d, bias=config.linear_bias)
+        self.act = ACT2FN[config.activation_func]
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        q, k, v = self.wqkv(self.norm0(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _apply_rope(q, cis), _apply_rope(k, cis)
+        outs, start = [], 0
+        for length in lengths:  # bidirectional attention within each image
+            sl = slice(start, start + length)
+            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1))
+            outs.append(o.transpose(0, 1).reshape(length, -1))
+            start += length
+        x = x + self.wo(torch.cat(outs, dim=0))
+        return x + self.mlp.fc1(self.act(self.mlp.fc0(self.norm1(x))))
 
 
-class KimiK3VisionMLP(nn.Module):
+class MoonViTEncoder(nn.Module):
     def __init__(self, config: KimiK3VisionConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = ACT2FN[config.hidden_act]
+        self.blocks = nn.ModuleList([MoonViTEncoderLayer(config) for _ in range(config.vt_num_hidden_layers)])
+        self.final_layernorm = nn.RMSNorm(config.vt_hidden_size)
+        self.head_dim = config.qkv_hidden_size // config.vt_num_attention_heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class KimiK3VisionBlock(nn.Module):
-    def __init__(self, config: KimiK3VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attn = KimiK3VisionAttention(config)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = KimiK3VisionMLP(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        cis = torch.cat([_rope_2d(self.head_dim, h, w, x.device).repeat(t, 1) for t, h, w in grid_thws.tolist()])
+        lengths = [t * h * w for t, h, w in grid_thws.tolist()]
+        for block in self.blocks:
+            x = block(x, cis, lengths)
+        return self.final_layernorm(x)
 
 
-class KimiK3VisionTower(nn.Module):
-    """ViT over flattened patches; images of any whole patch grid, learned 2-D position table interpolated."""
+class MoonViT3dPretrainedModel(nn.Module):
+    """pixel_values [n_patches, 3, p, p] (patches row-major per image), grid_thws [n_images, 3] -> merged patch
+    features [n_tokens, kh*kw*D]: sd2_tpool merge (mean over frames, kh x kw neighbours concatenated)."""
 
     def __init__(self, config: KimiK3VisionConfig) -> None:
         super().__init__()
         self.config = config
-        patch_dim = config.in_channels * config.patch_size * config.patch_size
-        self.patch_embed = nn.Linear(patch_dim, config.hidden_size, bias=True)
-        if config.pos_emb_height and config.pos_emb_width:
-            self.pos_embed = nn.Parameter(torch.empty(config.pos_emb_height, config.pos_emb_width, config.hidden_size))
-        else:
-            self.pos_embed = None
-        self.blocks = nn.ModuleList([KimiK3VisionBlock(config) for _ in range(config.depth)])
-        self.post_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.merge_kernel_size = tuple(config.merge_kernel_size)
+        self.patch_embed = MoonViTPatchEmbed(config)
+        self.encoder = MoonViTEncoder(config)
 
-    def _pos(self, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
-        table = self.pos_embed
-        if table.shape[:2] != (h, w):
-            table = F.interpolate(table.float().permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
-            table = table[0].permute(1, 2, 0)
-        return table.reshape(h * w, -1).to(dtype)
-
-    def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        """pixel_values [n_patches, C*p*p] (row-major per image), image_grid_hws [n_images, 2] -> [n_patches, D]."""
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
-        outs = []
-        start = 0
-        for h, w in image_grid_hws.tolist():
-            xi = x[start:start + h * w]
-            if self.pos_embed is not None:
-                xi = xi + self._pos(h, w, xi.dtype)
-            for block in self.blocks:
-                xi = block(xi)
-            outs.append(self.post_norm(xi))
-            start += h * w
-        if start != x.shape[0]:
-            raise ValueError(f"image_grid_hws covers {start} patches but pixel_values has {x.shape[0]}")
-        return torch.cat(outs, dim=0)
+    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        x = self.encoder(self.patch_embed(pixel_values, grid_thws), grid_thws)
+        kh, kw = self.merge_kernel_size
+        out, start = [], 0
+        for t, h, w in grid_thws.tolist():
+            if h % kh or w % kw:
+                raise ValueError(f"image grid {h}x{w} is not a multiple of merge_kernel_size {kh}x{kw}")
+            f = x[start:start + t * h * w].view(t, h // kh, kh, w // kw, kw, -1).mean(dim=0)
+            out.append(f.permute(0, 2, 1, 3, 4).reshape((h // kh) * (w // kw), -1))
+            start += t * h * w
+        return torch.cat(out, dim=0)
 
 
 class KimiK3MultiModalProjector(nn.Module):
-    """Merge mh x mw neighbouring patches, LayerNorm, MLP to the text hidden size."""
+    """patchmergerv2: post_norm(linear_2(gelu(linear_1(u)))), stored as proj.0 / proj.2 / post_norm."""
 
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__()
         vc = config.vision_config
-        self.merge_kernel_size = tuple(vc.merge_kernel_size)
-        in_dim = vc.hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
-        self.pre_norm = nn.LayerNorm(in_dim, eps=config.projector_ln_eps)
-        self.linear_1 = nn.Linear(in_dim, in_dim, bias=True)
-        self.act = ACT2FN[config.projector_hidden_act]
-        self.linear_2 = nn.Linear(in_dim, config.text_config.hidden_size, bias=True)
+        in_dim = vc.mm_hidden_size * vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
+        self.proj = nn.Sequential(nn.Linear(in_dim, in_dim, bias=False), nn.GELU(),
+                                  nn.Linear(in_dim, config.text_config.hidden_size, bias=False))
+        self.post_norm = nn.RMSNorm(config.text_config.hidden_size, eps=vc.projector_ln_eps)
 
-    def merge(self, features: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        mh, mw = self.merge_kernel_size
-        out, start = [], 0
-        for h, w in image_grid_hws.tolist():
-            if h % mh or w % mw:
-                raise ValueError(f"image grid {h}x{w} is not a multiple of merge_kernel_size {mh}x{mw}")
-            f = features[start:start + h * w].view(h // mh, mh, w // mw, mw, -1)
-            out.append(f.permute(0, 2, 1, 3, 4).reshape((h // mh) * (w // mw), -1))
-            start += h * w
-        return torch.cat(out, dim=0)
-
-    def forward(self, features: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        x = self.pre_norm(self.merge(features, image_grid_hws))
-        return self.linear_2(self.act(self.linear_1(x)))
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(self.proj(features.to(self.proj[0].weight.dtype)))
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
     config_class = KimiK3Config
-    config: KimiK3Config
     base_model_prefix = ""
     supports_gradient_checkpointing = False
-    _no_split_modules = ["KimiDecoderLayer", "KimiK3VisionBlock"]
+    _no_split_modules = ["KimiDecoderLayer", "MoonViTEncoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _keep_in_fp32_modules = ["A_log", "dt_bias", "e_score_correction_bias"]
     _supports_sdpa = True
@@ -657,7 +834,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
 
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__(config)
-        self.vision_tower = KimiK3VisionTower(config.vision_config)
+        self.vision_tower = MoonViT3dPretrainedModel(config.vision_config)
         self.mm_projector = KimiK3MultiModalProjector(config)
         self.language_model = KimiLinearForCausalLM(config.text_config)
         self.media_placeholder_token_id = config.media_placeholder_token_id
@@ -669,10 +846,9 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear:
         return self.language_model.lm_head
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
+    def get_image_features(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """-> [n_image_tokens, text hidden] (one row per merged patch group, images in order)."""
-        features = self.vision_tower(pixel_values, image_grid_hws)
-        return self.mm_projector(features, image_grid_hws)
+        return self.mm_projector(self.vision_tower(pixel_values, grid_thws.reshape(-1, 3)))
 
     def merge_image_features(
         self, inputs_embeds: torch.Tensor, input_ids: torch.LongTensor, image_features: torch.Tensor
@@ -687,12 +863,22 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
         mask = mask.unsqueeze(-1).expand_as(inputs_embeds)
         return inputs_embeds.masked_scatter(mask, image_features.to(inputs_embeds.dtype))
 
+    def embed(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None = None,
+              grid_thws: torch.Tensor | None = None) -> torch.Tensor:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            if grid_thws is None:
+                raise ValueError("pixel_values given without grid_thws")
+            inputs_embeds = self.merge_image_features(inputs_embeds, input_ids,
+                                                      self.get_image_features(pixel_values, grid_thws))
+        return inputs_embeds
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
-        image_grid_hws: torch.Tensor | None = None,
+        grid_thws: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values: KimiDynamicCache | None = None,
@@ -701,12 +887,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings()(input_ids)
-            if pixel_values is not None:
-                if image_grid_hws is None:
-                    raise ValueError("pixel_values given without image_grid_hws")
-                image_features = self.get_image_features(pixel_values, image_grid_hws)
-                inputs_embeds = self.merge_image_features(inputs_embeds, input_ids, image_features)
+            inputs_embeds = self.embed(input_ids, pixel_values, grid_thws)
         return self.language_model(
             inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, labels=labels, use_cache=use_cache,
@@ -720,6 +901,7 @@ __all__ = [
     "KimiLinearModel",
     "KimiPreTrainedModel",
     "KimiDecoderLayer",
+    "KimiMTPLayer",
     "KimiDeltaAttention",
     "KimiMLAAttention",
     "KimiSparseMoeBlock",
@@ -728,4 +910,6 @@ __all__ = [
     "KimiMLP",
     "KimiRMSNorm",
     "KimiDynamicCache",
+    "MoonViT3dPretrainedModel",
+    "KimiK3MultiModalProjector",
 ]

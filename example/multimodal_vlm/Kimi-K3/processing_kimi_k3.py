@@ -1,9 +1,12 @@
 # Stand-in for the vendor's Kimi-K3 processor (remote code, AutoProcessor + trust_remote_code=True).
 #
-# A plain class (not ProcessorMixin): AutoProcessor only needs `from_pretrained` and `register_for_auto_class`
-# on the class named by auto_map. Images are resized so the patch grid is a whole multiple of the merge kernel,
-# flattened to patches [n_patches, C*p*p] (channel-major inside a patch, patches row-major), and each image's
-# `<|media_pad|>` marker in the prompt is expanded to one token per merged patch group.
+# The outputs and the image arithmetic follow the public Kimi-K3 processor (vLLM 0.33.0,
+# `transformers_utils/processors/kimi_k3.py`, `kimi_k25_vision_fused.py`, `models/kimi_k3/common/mm_preprocess.py`):
+# `media_proc_cfg` keys, navit resize + bottom/right padding to whole merged patches, pixel_values
+# [n_patches, 3, p, p] (patches row-major), grid_thws [n_images, 3] = (1, h, w). Unlike vLLM, where the engine
+# expands `<|kimi_image_placeholder|>`, this processor expands it itself (the same text vLLM writes), so the model
+# runs standalone. A plain class (not ProcessorMixin): AutoProcessor only needs `from_pretrained` and
+# `register_for_auto_class` on the class named by auto_map.
 from __future__ import annotations
 
 import json
@@ -19,29 +22,37 @@ PROCESSOR_CONFIG = "processor_config.json"
 
 
 class KimiK3Processor:
-    image_token = "<|media_pad|>"
-    media_start_token = "<|media_start|>"
+    """Image + text -> input_ids (placeholders expanded), pixel_values [n_patches, 3, p, p], grid_thws [n, 3]."""
+
+    image_token = "<|kimi_image_placeholder|>"  # what a prompt writes where an image goes
+    media_pad_token = "<|media_pad|>"  # one per image token; the model scatters image features there
+    media_begin_token = "<|media_begin|>"
+    media_content_token = "<|media_content|>"
     media_end_token = "<|media_end|>"
 
     def __init__(
         self,
         tokenizer: Any,
         patch_size: int = 14,
-        merge_kernel_size: tuple[int, int] | list[int] = (2, 2),
+        merge_kernel_size: int | list[int] = 2,
+        in_patch_limit: int = 16384,
+        patch_limit_on_one_side: int = 512,
+        fixed_output_tokens: int | None = None,
         image_mean: tuple[float, ...] | list[float] = (0.5, 0.5, 0.5),
         image_std: tuple[float, ...] | list[float] = (0.5, 0.5, 0.5),
-        max_patches: int = 1024,
         **kwargs: Any,
     ) -> None:
         self.tokenizer = tokenizer
         self.patch_size = int(patch_size)
-        self.merge_kernel_size = (int(merge_kernel_size[0]), int(merge_kernel_size[1]))
+        self.merge = int(merge_kernel_size[0] if isinstance(merge_kernel_size, (list, tuple)) else merge_kernel_size)
+        self.in_patch_limit = int(in_patch_limit)
+        self.patch_limit_on_one_side = int(patch_limit_on_one_side)
+        self.fixed_output_tokens = fixed_output_tokens
         self.image_mean = [float(v) for v in image_mean]
         self.image_std = [float(v) for v in image_std]
-        self.max_patches = int(max_patches)
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"tokenizer has no {self.image_token} token")
+        self.media_pad_id = tokenizer.convert_tokens_to_ids(self.media_pad_token)
+        if self.media_pad_id is None or self.media_pad_id == tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no {self.media_pad_token} token")
 
     # ---- loading / saving -------------------------------------------------------------------------------------
     @classmethod
@@ -56,50 +67,42 @@ class KimiK3Processor:
             raise FileNotFoundError(f"{cfg_file} not found")
         with open(cfg_file, encoding="utf-8") as f:
             cfg = json.load(f)
-        cfg.pop("auto_map", None)
-        cfg.pop("processor_class", None)
         # Directly, not via AutoTokenizer: that would read config.json and ask again about remote code.
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-        return cls(tokenizer=tokenizer, **cfg)
+        return cls(tokenizer=tokenizer, **cfg.get("media_proc_cfg", {}))
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "processor_class": type(self).__name__,
             "auto_map": {"AutoProcessor": "processing_kimi_k3.KimiK3Processor"},
-            "patch_size": self.patch_size,
-            "merge_kernel_size": list(self.merge_kernel_size),
-            "image_mean": self.image_mean,
-            "image_std": self.image_std,
-            "max_patches": self.max_patches,
+            "media_proc_cfg": {
+                "patch_size": self.patch_size, "merge_kernel_size": self.merge, "in_patch_limit": self.in_patch_limit,
+                "patch_limit_on_one_side": self.patch_limit_on_one_side,
+                "fixed_output_tokens": self.fixed_output_tokens, "image_mean": self.image_mean,
+                "image_std": self.image_std,
+            },
         }
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         os.makedirs(save_directory, exist_ok=True)
-        cfg = self.to_dict()
-        cfg.pop("processor_class")
         with open(os.path.join(save_directory, PROCESSOR_CONFIG), "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2)
+            json.dump(self.to_dict(), f, indent=2)
         self.tokenizer.save_pretrained(save_directory)
 
     # ---- images ----------------------------------------------------------------------------------------------
-    def _target_size(self, width: int, height: int) -> tuple[int, int]:
-        """(W, H) multiples of patch*merge, aspect kept, at most max_patches patches."""
-        unit_h = self.patch_size * self.merge_kernel_size[0]
-        unit_w = self.patch_size * self.merge_kernel_size[1]
-        scale = min(1.0, math.sqrt(self.max_patches / ((height / self.patch_size) * (width / self.patch_size))))
-        th = max(unit_h, round(height * scale / unit_h) * unit_h)
-        tw = max(unit_w, round(width * scale / unit_w) * unit_w)
-        while (th // self.patch_size) * (tw // self.patch_size) > self.max_patches:
-            if th >= tw and th > unit_h:
-                th -= unit_h
-            elif tw > unit_w:
-                tw -= unit_w
-            else:
-                break
-        return tw, th
+    def resize_plan(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(new_w, new_h, pad_w, pad_h) as vLLM's navit_resize_image: scale to the patch limits, then pad
+        bottom/right to whole merged patches."""
+        p, limit = self.patch_size, self.patch_limit_on_one_side
+        s1 = math.sqrt(self.in_patch_limit / (max(1, width // p) * max(1, height // p)))
+        scale = min(1.0, s1, limit * p / width, limit * p / height)
+        new_w = min(max(1, int(width * scale)), limit * p)
+        new_h = min(max(1, int(height * scale)), limit * p)
+        factor = self.merge * p
+        return new_w, new_h, (factor - new_w % factor) % factor, (factor - new_h % factor) % factor
 
-    def preprocess_image(self, image: Any) -> tuple[torch.Tensor, tuple[int, int]]:
-        """PIL image / path / HWC uint8 array -> (patches [h*w, C*p*p] float32, (h, w) patch grid)."""
+    def preprocess_image(self, image: Any) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int]]:
+        """PIL image / path / HWC uint8 array -> (patches [h*w, 3, p, p] float32, grid (1, h, w), original (W, H)).
+        Padding pixels are 0 before normalisation."""
         from PIL import Image
 
         if isinstance(image, (str, os.PathLike)):
@@ -107,21 +110,30 @@ class KimiK3Processor:
         elif isinstance(image, np.ndarray):
             image = Image.fromarray(image)
         image = image.convert("RGB")
-        tw, th = self._target_size(*image.size)
-        if (tw, th) != image.size:
-            image = image.resize((tw, th), Image.Resampling.BICUBIC)
-        arr = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)  # [H, W, C]
+        size = image.size
+        new_w, new_h, pad_w, pad_h = self.resize_plan(*size)
+        if (new_w, new_h) != size:
+            image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
+        arr = np.zeros((new_h + pad_h, new_w + pad_w, 3), dtype=np.float32)
+        arr[:new_h, :new_w] = np.asarray(image, dtype=np.float32)
+        x = torch.from_numpy(arr / 255.0)
         mean = torch.tensor(self.image_mean, dtype=torch.float32)
         std = torch.tensor(self.image_std, dtype=torch.float32)
-        arr = ((arr - mean) / std).permute(2, 0, 1)  # [C, H, W]
+        x = ((x - mean) / std).permute(2, 0, 1)  # [3, H, W]
         p = self.patch_size
-        c = arr.shape[0]
-        h, w = th // p, tw // p
-        patches = arr.reshape(c, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
-        return patches.contiguous(), (h, w)
+        h, w = x.shape[1] // p, x.shape[2] // p
+        patches = x.reshape(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p)
+        return patches.contiguous(), (1, h, w), size
 
-    def num_image_tokens(self, grid_hw: tuple[int, int]) -> int:
-        return (grid_hw[0] // self.merge_kernel_size[0]) * (grid_hw[1] // self.merge_kernel_size[1])
+    def num_image_tokens(self, grid: tuple[int, int, int]) -> int:
+        if self.fixed_output_tokens:
+            return int(self.fixed_output_tokens)
+        return (grid[1] // self.merge) * (grid[2] // self.merge)
+
+    def expansion(self, size: tuple[int, int], n_tokens: int) -> str:
+        """What vLLM's prompt update puts in place of one image placeholder (original image size in the text)."""
+        return (f"{self.media_begin_token}image {size[0]}x{size[1]}{self.media_content_token}"
+                + self.media_pad_token * n_tokens + self.media_end_token)
 
     # ---- records ---------------------------------------------------------------------------------------------
     def __call__(
@@ -133,7 +145,7 @@ class KimiK3Processor:
         **kwargs: Any,
     ) -> BatchFeature:
         """One or more prompts; `images` is an image, a list (one prompt) or a list of lists (one per prompt).
-        A prompt without a marker gets `<|media_start|><|media_pad|><|media_end|>` per image in front."""
+        A prompt without placeholders gets one `<|kimi_image_placeholder|>` per image in front."""
         texts = [text] if isinstance(text, str) or text is None else list(text)
         texts = ["" if t is None else t for t in texts]
         if images is None:
@@ -149,20 +161,17 @@ class KimiK3Processor:
         for t, ims in zip(texts, per_text_images):
             n_markers = t.count(self.image_token)
             if ims and n_markers == 0:
-                t = "".join(f"{self.media_start_token}{self.image_token}{self.media_end_token}" for _ in ims) + t
+                t = self.image_token * len(ims) + t
             elif n_markers != len(ims):
                 raise ValueError(f"prompt has {n_markers} {self.image_token} markers but {len(ims)} images: {t[:80]!r}")
             pieces = t.split(self.image_token)
-            ids: list[int] = []
-            for i, piece in enumerate(pieces):
-                if piece:
-                    ids.extend(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
-                if i < len(ims):
-                    patches, grid = self.preprocess_image(ims[i])
-                    all_patches.append(patches)
-                    grids.append(grid)
-                    ids.extend([self.image_token_id] * self.num_image_tokens(grid))
-            id_lists.append(ids)
+            text_parts = [pieces[0]]
+            for i, im in enumerate(ims):
+                patches, grid, size = self.preprocess_image(im)
+                all_patches.append(patches)
+                grids.append(grid)
+                text_parts += [self.expansion(size, self.num_image_tokens(grid)), pieces[i + 1]]
+            id_lists.append(self.tokenizer("".join(text_parts), add_special_tokens=False)["input_ids"])
 
         max_len = max(len(ids) for ids in id_lists)
         if not padding and len({len(ids) for ids in id_lists}) > 1:
@@ -178,7 +187,7 @@ class KimiK3Processor:
         data: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if all_patches:
             data["pixel_values"] = torch.cat(all_patches, dim=0)
-            data["image_grid_hws"] = torch.tensor(grids, dtype=torch.long)
+            data["grid_thws"] = torch.tensor(grids, dtype=torch.long)
         return BatchFeature(data=data, tensor_type=return_tensors)
 
     def decode(self, *args: Any, **kwargs: Any) -> str:

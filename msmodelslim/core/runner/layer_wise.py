@@ -2,7 +2,7 @@
 
 Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (they run calibration
 forwards through `UnitContext` when they need statistics) -> forward the processed unit over the samples to make
-the next unit's inputs (quantization errors propagate as at inference) -> save -> free.
+the next unit's inputs (every unit but the last: MTP layers follow the head) (quantization errors propagate as at inference) -> save -> free.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class LayerWiseRunner:
                 self.stats.add("process", time.perf_counter() - t0)
 
                 t0 = time.perf_counter()
-                if unit.kind != "head":
+                if i + 1 < len(units):  # the last unit's outputs feed nothing
                     states = self._run_samples(unit, module, states, keep=True)
                 self.stats.add("calibrate", time.perf_counter() - t0)
 

@@ -45,14 +45,16 @@ REQUIRED_TEXT_FIELDS = (
     ("qk_rope_head_dim",), ("v_head_dim",), ("linear_attn_config",),
 )
 REQUIRED_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size")
-REQUIRED_VISION_FIELDS = ("patch_size", "hidden_size", "num_heads", "intermediate_size", "depth")
+REQUIRED_VISION_FIELDS = ("patch_size", "vt_hidden_size", "vt_num_attention_heads", "vt_intermediate_size",
+                          "vt_num_hidden_layers", "qkv_hidden_size")
 # --model_type display name -> whether its checkpoints carry a vision tower
 MULTIMODAL_MODEL_TYPES = {"Kimi-K3": True, "Kimi-Linear": False}
 _FLOAT_STORAGE = frozenset({"BF16", "F16", "F32", "F64"})  # safetensors dtypes a float parameter may load from
 
 
 class UnitModule(nn.Module):
-    """A unit made of several top-level pieces of the model (vision tower + projector, final norm + lm_head)."""
+    """A unit made of several top-level pieces of the model (vision tower + projector; the head: output
+    attention-residual mix, final norm and lm_head)."""
 
     def __init__(self, **children: nn.Module) -> None:
         super().__init__()
@@ -140,6 +142,8 @@ class KimiK3ModelAdapter(ModelAdapter):
         self.language_model = self.model.language_model if self.is_multimodal else self.model
         self.lm_prefix = "language_model." if self.is_multimodal else ""
         self.layers = self.language_model.model.layers
+        self.num_layers = int(self.text_config.num_hidden_layers)  # the rest of `layers` are MTP layers
+        self.attn_res = bool(getattr(self.text_config, "attn_res_block_size", None))
 
         self.num_experts = int(self.text_config.num_experts)
         self.expert_range = resolve_expert_ep_range(self.num_experts, dist.rank, dist.world_size)
@@ -164,8 +168,11 @@ class KimiK3ModelAdapter(ModelAdapter):
             units.append(Unit("vision", "vision", ""))
         lm = self.lm_prefix
         units.append(Unit("embed", "embed", f"{lm}model.embed_tokens."))
-        units += [Unit(f"layers.{i}", "decoder", f"{lm}model.layers.{i}.", i) for i in range(len(self.layers))]
+        units += [Unit(f"layers.{i}", "decoder", f"{lm}model.layers.{i}.", i) for i in range(self.num_layers)]
         units.append(Unit("head", "head", f"{lm}model.norm."))
+        # MTP layers read the head's final hidden state, so they come after it (stored as layers.{N + k})
+        units += [Unit(f"mtp.{i - self.num_layers}", "mtp", f"{lm}model.layers.{i}.", i)
+                  for i in range(self.num_layers, len(self.layers))]
         return units
 
     def units(self) -> list[Unit]:
@@ -179,7 +186,9 @@ class KimiK3ModelAdapter(ModelAdapter):
         if unit.kind == "embed":
             return [("embed_tokens.", f"{lm}model.embed_tokens.")]
         if unit.kind == "head":
-            return [("norm.", f"{lm}model.norm."), ("lm_head.", f"{lm}lm_head.")]
+            return [("norm.", f"{lm}model.norm."), ("lm_head.", f"{lm}lm_head."),
+                    ("output_attn_res_norm.", f"{lm}model.output_attn_res_norm."),
+                    ("output_attn_res_proj.", f"{lm}model.output_attn_res_proj.")][: 4 if self.attn_res else 2]
         return [("", unit.prefix)]
 
     def unit_module(self, unit: Unit) -> nn.Module:
@@ -189,7 +198,10 @@ class KimiK3ModelAdapter(ModelAdapter):
         if unit.kind == "embed":
             return UnitModule(embed_tokens=self.language_model.model.embed_tokens)
         if unit.kind == "head":
-            return UnitModule(norm=self.language_model.model.norm, lm_head=self.language_model.lm_head)
+            text = self.language_model.model
+            extra = {"output_attn_res_norm": text.output_attn_res_norm,
+                     "output_attn_res_proj": text.output_attn_res_proj} if self.attn_res else {}
+            return UnitModule(norm=text.norm, lm_head=self.language_model.lm_head, **extra)
         return self.layers[unit.index]
 
     def checkpoint_name(self, unit: Unit, live_name: str) -> str:
@@ -203,7 +215,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         for live_prefix, ckpt_prefix in self._pieces(unit):
             if live_name.startswith(live_prefix) or live_name + "." == live_prefix:
                 rest = live_name[len(live_prefix):] if live_name.startswith(live_prefix) else ""
-                if self.is_native and unit.kind == "decoder":
+                if self.is_native and unit.kind in ("decoder", "mtp"):
                     for old, new in _NATIVE_RENAMES:
                         if rest.startswith(old):
                             rest = new + rest[len(old):]
@@ -372,7 +384,7 @@ class KimiK3ModelAdapter(ModelAdapter):
                     rgb = img.convert("RGB")
                 inputs = self.processor(text=self.processor.image_token + record.text, images=[rgb],
                                         return_tensors="pt")
-                sample = {k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "image_grid_hws")}
+                sample = {k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "grid_thws")}
             ids = sample["input_ids"]
             if max_seq_len and ids.shape[1] > max_seq_len:
                 keep = max_seq_len
@@ -402,21 +414,48 @@ class KimiK3ModelAdapter(ModelAdapter):
 
     @torch.no_grad()
     def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """One sample through one unit. The text state is `hidden_states` (with attention residuals: the running
+        prefix, plus `attn_res_blocks`, the finished block sums); with MTP layers also `next_embeds` (the input
+        embeddings, which MTP step k reads shifted by k + 1). The head's state is the model's final hidden state
+        h; it adds `logits` when the model has no MTP layer or the state asks (`need_logits`; an MTP layer then adds
+        its own, predicting one token further)."""
         if unit.kind == "vision":
             if "pixel_values" not in state:
                 return state
             features = self.model.get_image_features(state["pixel_values"].to(self.dist.device, self.dtype),
-                                                     state["image_grid_hws"].to(self.dist.device))
+                                                     state["grid_thws"].to(self.dist.device))
             return {**state, "image_features": features}
         if unit.kind == "embed":
             ids = state["input_ids"].to(self.dist.device)
             hidden = module.embed_tokens(ids)
             if "image_features" in state:
                 hidden = self.model.merge_image_features(hidden, ids, state["image_features"])
-            return {"hidden_states": hidden, "input_ids": ids}
+            out = {"hidden_states": hidden, "input_ids": ids}
+            if self.attn_res:
+                out["attn_res_blocks"] = []
+            if len(self.layers) > self.num_layers:
+                out["next_embeds"] = hidden
+            if state.get("need_logits"):
+                out["need_logits"] = True
+            return out
         hidden = state["hidden_states"]
         if unit.kind == "head":
-            return {**state, "logits": module.lm_head(module.norm(hidden))}
+            if self.attn_res:
+                hidden = self.language_model.model.final_hidden(hidden, state["attn_res_blocks"])
+            out = {k: v for k, v in state.items() if k != "attn_res_blocks"}
+            out["hidden_states"] = hidden
+            if state.get("need_logits") or len(self.layers) == self.num_layers:
+                out["logits"] = module.lm_head(module.norm(hidden))
+            return out
+        if unit.kind == "mtp":
+            step = unit.index - self.num_layers
+            embeds = state["next_embeds"][:, step + 1:].clone()
+            embeds[:, 0] = 0  # vLLM zeroes the MTP's token embedding at position 0
+            h_next, logits = module(hidden[:, : embeds.shape[1]], inputs_embeds=embeds)
+            return {**state, "hidden_states": h_next, **({"logits": logits} if state.get("need_logits") else {})}
+        if self.attn_res:
+            out, blocks = module(hidden, attention_mask=None, attn_res_blocks=state["attn_res_blocks"])
+            return {**state, "hidden_states": out, "attn_res_blocks": blocks}
         if self.is_native and self.text_config.layer_types[unit.index] == "full_attention":
             out = module(hidden, attention_mask=self._causal_mask(hidden))
         else:
