@@ -83,9 +83,11 @@ class AscendV1Reader:
         undescribed = sorted(set(self.weight_map) - set(self.description))
         if undescribed:
             raise AscendV1Error(f"{desc_path}: tensor {undescribed[0]!r} is stored but not described")
-        # `<fused layer>.weight` keys are for the engine's lookup and name no tensor
-        self.fused_layers = {k: self.description.pop(k) for k in
-                             (self.header.get("metadata") or {}).get("fused_layers", ()) if k in self.description}
+        # `<fused layer>.weight` keys and the MTP drafter's aliases are for the engine's lookup and name no tensor
+        meta = self.header.get("metadata") or {}
+        self.fused_layers = {k: self.description.pop(k) for k in meta.get("fused_layers", ()) if k in self.description}
+        self.lookup_aliases = {k: self.description.pop(k) for k in meta.get("lookup_aliases", ())
+                               if k in self.description}
         missing = sorted(set(self.description) - set(self.weight_map))
         if missing:
             raise AscendV1Error(f"{self.out_dir}: described tensor {missing[0]!r} is in no shard")

@@ -110,6 +110,10 @@ class ModelAdapter(ABC):
     def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
         """(checkpoint name, Tensor or quantized module) pairs the saver writes for this unit."""
 
+    def lookup_aliases(self, name: str) -> list[str]:
+        """Other names a serving engine looks the description entry `name` up by (none by default)."""
+        return []
+
     def is_expert(self, live_name: str) -> bool:
         """True for modules owned by one expert-parallel rank (their statistics are not reduced across ranks)."""
         return False

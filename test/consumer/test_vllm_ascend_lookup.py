@@ -95,3 +95,41 @@ def test_every_tiny_kimi_k3_text_layer_resolves_to_the_practice_scheme(vllm_asce
     # the stand-in follows vLLM 0.33's Kimi-K3 (latent MoE, q-LoRA MLA with the output gate, full-rank KDA gate)
     count, failures = lookup_failures(vllm_ascend, outputs[("tiny_k3", quant_type)], V033)
     assert count > 30 and failures == [], "\n".join(failures)
+
+
+def mtp_drafter_layers(spec: dict, text: dict) -> list[tuple[str, str, str]]:
+    """(drafter prefix, kind, our name of the same layer) of every layer vLLM's KimiK3MTP builds and looks up: the
+    decoder block of MTP layer N+k at `model.layers.{N+k}.mtp_block.` (vllm 0.33 models/kimi_k3/nvidia/mtp.py:71-173,
+    426-457), by the same layer rules as the main model (its index selects MLA / MoE)."""
+    n = int(text["num_hidden_layers"])
+    extended = {**text, "num_hidden_layers": n + int(text.get("num_nextn_predict_layers", 0))}
+    out = []
+    for prefix, kind in serving_layers(spec, extended, "language_model."):
+        match = re.match(r"language_model\.model\.layers\.(\d+)\.(.+)$", prefix)
+        if match and int(match.group(1)) >= n:
+            out.append((f"model.layers.{match.group(1)}.mtp_block.{match.group(2)}", kind, prefix))
+    return out
+
+
+@pytest.mark.parametrize("packed", ["kimi_linear_mapping", "no_mapping"])
+def test_every_kimi_k3_mtp_drafter_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, packed):
+    # The drafter's model class may or may not declare KimiLinearModel's packed modules (not checked against the
+    # wheel): both are looked up, as vllm-ascend runs it for model_type kimi_k3_mtp (config/speculative.py:785-793).
+    out = outputs[("tiny_k3", "w4a8")]
+    description = json.loads((out / "quant_model_description.json").read_text())
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    config = vllm_ascend.AscendModelSlimConfig(dict(description))
+    ascend.set_vllm_config("kimi_k3_mtp", config)
+    config.packed_modules_mapping = dict(V033["packed_modules_mapping"]) if packed == "kimi_linear_mapping" else {}
+    layers = mtp_drafter_layers(V033, text)
+    assert len(layers) >= 8
+    failures = []
+    for prefix, kind, ours in layers:
+        try:
+            got = resolved_scheme(vllm_ascend, config, prefix, kind)
+        except (KeyError, ValueError, NotImplementedError) as exc:
+            failures.append(f"{prefix}: {type(exc).__name__} {exc}")
+            continue
+        if got != practice_scheme(description, ours):
+            failures.append(f"{prefix}: vllm-ascend picks {got}, the practice wrote {practice_scheme(description, ours)}")
+    assert failures == [], "\n".join(failures)

@@ -238,6 +238,19 @@ class KimiK3ModelAdapter(ModelAdapter):
 
         return fused_groups([name for _, name in self.linear_names()])
 
+    def lookup_aliases(self, name: str) -> list[str]:
+        """vLLM's Kimi-K3 MTP drafter builds layer N+k's decoder block at `model.layers.{N+k}.mtp_block.` (vllm 0.33
+        `models/kimi_k3/nvidia/mtp.py:426-457`), and vllm-ascend 0.23 maps neither `language_model.` nor `.mtp_block.`
+        away for it (`modelslim_config.py:306-333` strips `.mtp_block.` for step3p5 only): its lookups find the MTP
+        layer's entries under these names."""
+        match = re.match(rf"{re.escape(self.lm_prefix)}model\.layers\.(\d+)\.(.+)$", name)
+        if not match or int(match.group(1)) < self.num_layers:
+            return []
+        index, rest = match.groups()
+        block = "" if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head") else "mtp_block."
+        alias = f"model.layers.{index}.{block}{rest}"
+        return [alias] if alias != name else []  # a text-only checkpoint already names them so
+
     def is_expert(self, name: str) -> bool:
         return _EXPERT_RE.search(name + ".") is not None
 

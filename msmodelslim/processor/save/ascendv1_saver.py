@@ -374,9 +374,14 @@ class AscendV1Saver(Saver):
         fused = self._fused_layer_keys(description)
         if fused:
             metadata["fused_layers"] = sorted(fused)
+        aliases_of = getattr(self.adapter, "lookup_aliases", lambda name: [])
+        aliases = {alias: scheme for name, scheme in {**description, **fused}.items() for alias in aliases_of(name)}
+        if aliases:  # lookup-only too: the drafter's names of the MTP layers' entries
+            metadata["lookup_aliases"] = sorted(aliases)
         if metadata:
             header["metadata"] = metadata
         description.update(fused)
+        description.update(aliases)
         header["optional"] = extras.optional if extras is not None else {}  # always present, as msModelSlim
         for rel, tensors in (extras.files.items() if extras is not None else ()):
             path = self.work_dir / rel
