@@ -208,3 +208,15 @@ def test_tiny_preset_exercises_every_kimi_k3_feature(checkpoint):
     assert cfg["q_lora_rank"] and cfg["mla_use_output_gate"] and cfg["mla_use_nope"]
     assert cfg["linear_attn_config"]["use_full_rank_gate"] and cfg["num_nextn_predict_layers"] >= 1
     assert cfg["first_k_dense_replace"] >= 1 and config["vision_config"]["mm_projector_type"] == "patchmergerv2"
+
+
+@pytest.mark.parametrize("old,new", [("routed_expert_down_proj", "latent_down_proj"),  # the pre-release stand-in
+                                     ("vision_tower.encoder.blocks.", "vision_tower.blocks."),
+                                     ("language_model.model.layers.4.", "language_model.model.layers.9.")])
+def test_a_name_vllm_does_not_build_is_refused(checkpoint, old, new):
+    """The rules above can fail: a renamed tensor matches no vLLM parameter (or no layer)."""
+    names, config = checkpoint
+    renamed = [n.replace(old, new, 1) for n in names]
+    assert renamed != names
+    with pytest.raises(AssertionError):
+        load(renamed, config)
