@@ -2,7 +2,8 @@
 
 Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (they run calibration
 forwards through `UnitContext` when they need statistics) -> forward the processed unit over the samples to make
-the next unit's inputs (every unit but the last: MTP layers follow the head) (quantization errors propagate as at inference) -> save -> free.
+the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
+follow the head) -> save -> free.
 """
 
 from __future__ import annotations
