@@ -463,6 +463,8 @@ class KimiK3ModelAdapter(ModelAdapter):
         if unit.kind == "mtp":
             step = unit.index - self.num_layers
             embeds = state["next_embeds"][:, step + 1:].clone()
+            if embeds.shape[1] == 0:  # a sample too short to have a token this far ahead
+                return state
             embeds[:, 0] = 0  # vLLM zeroes the MTP's token embedding at position 0
             h_next, logits = module(hidden[:, : embeds.shape[1]], inputs_embeds=embeds)
             return {**state, "hidden_states": h_next, **({"logits": logits} if state.get("need_logits") else {})}
