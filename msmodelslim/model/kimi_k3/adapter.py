@@ -143,6 +143,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         self.lm_prefix = "language_model." if self.is_multimodal else ""
         self.layers = self.language_model.model.layers
         self.num_layers = int(self.text_config.num_hidden_layers)  # the rest of `layers` are MTP layers
+        self.has_mtp = len(self.layers) > self.num_layers
         self.attn_res = bool(getattr(self.text_config, "attn_res_block_size", None))
 
         self.num_experts = int(self.text_config.num_experts)
@@ -186,9 +187,10 @@ class KimiK3ModelAdapter(ModelAdapter):
         if unit.kind == "embed":
             return [("embed_tokens.", f"{lm}model.embed_tokens.")]
         if unit.kind == "head":
-            return [("norm.", f"{lm}model.norm."), ("lm_head.", f"{lm}lm_head."),
-                    ("output_attn_res_norm.", f"{lm}model.output_attn_res_norm."),
-                    ("output_attn_res_proj.", f"{lm}model.output_attn_res_proj.")][: 4 if self.attn_res else 2]
+            pieces = [("norm.", f"{lm}model.norm."), ("lm_head.", f"{lm}lm_head.")]
+            if self.attn_res:
+                pieces += [(f"{p}.", f"{lm}model.{p}.") for p in ("output_attn_res_norm", "output_attn_res_proj")]
+            return pieces
         return [("", unit.prefix)]
 
     def unit_module(self, unit: Unit) -> nn.Module:
@@ -446,7 +448,7 @@ class KimiK3ModelAdapter(ModelAdapter):
             out = {"hidden_states": hidden, "input_ids": ids}
             if self.attn_res:
                 out["attn_res_blocks"] = []
-            if len(self.layers) > self.num_layers:
+            if self.has_mtp:
                 out["next_embeds"] = hidden
             if state.get("need_logits"):
                 out["need_logits"] = True
@@ -457,7 +459,7 @@ class KimiK3ModelAdapter(ModelAdapter):
                 hidden = self.language_model.model.final_hidden(hidden, state["attn_res_blocks"])
             out = {k: v for k, v in state.items() if k != "attn_res_blocks"}
             out["hidden_states"] = hidden
-            if state.get("need_logits") or len(self.layers) == self.num_layers:
+            if state.get("need_logits") or not self.has_mtp:
                 out["logits"] = module.lm_head(module.norm(hidden))
             return out
         if unit.kind == "mtp":

@@ -185,7 +185,7 @@ def consumer_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def copy_model_files(model_dir: Path, out_dir: Path, config_transform: Any = None) -> list[str]:
+def copy_model_files(model_dir: Path, out_dir: Path, config_transform: Any) -> list[str]:
     """Copy config / tokenizer / processor / remote-code files of the model directory (top level only);
     config.json loses `quantization_config` and goes through `config_transform` (the adapter's output_config)."""
     copied = []
@@ -193,9 +193,7 @@ def copy_model_files(model_dir: Path, out_dir: Path, config_transform: Any = Non
         name = src.name
         if name == "config.json":
             with open(src, encoding="utf-8") as f:
-                config = clean_config(json.load(f))
-            if config_transform is not None:
-                config = config_transform(config)
+                config = config_transform(clean_config(json.load(f)))
             with open(out_dir / name, "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, ensure_ascii=False)
                 f.write("\n")
@@ -215,7 +213,7 @@ class AscendV1Saver(Saver):
         self._limit = int(config.part_file_size * GIB)
         self._default_float = _FLOAT_DTYPES[config.float_dtype]
         self._source_dtypes = source_float_dtypes(adapter)
-        self._fused_groups = adapter.fused_groups() if hasattr(adapter, "fused_groups") else []
+        self._fused_groups = adapter.fused_groups()
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
@@ -312,12 +310,6 @@ class AscendV1Saver(Saver):
             self._merge(metadata, extras)
         self.dist.barrier()
 
-    def _config_transform(self, description: dict[str, str]) -> Any:
-        output_config = getattr(self.adapter, "output_config", None)
-        if output_config is None:
-            return None
-        return lambda config: output_config(config, description)
-
     def _fused_layer_keys(self, description: dict[str, str]) -> dict[str, str]:
         """`<fused layer>.weight` -> its scheme, for every layer the serving engine fuses from several tensors.
 
@@ -374,8 +366,8 @@ class AscendV1Saver(Saver):
         fused = self._fused_layer_keys(description)
         if fused:
             metadata["fused_layers"] = sorted(fused)
-        aliases_of = getattr(self.adapter, "lookup_aliases", lambda name: [])
-        aliases = {alias: scheme for name, scheme in {**description, **fused}.items() for alias in aliases_of(name)}
+        aliases = {alias: scheme for name, scheme in {**description, **fused}.items()
+                   for alias in self.adapter.lookup_aliases(name)}
         if aliases:  # lookup-only too: the drafter's names of the MTP layers' entries
             metadata["lookup_aliases"] = sorted(aliases)
         if metadata:
@@ -397,7 +389,7 @@ class AscendV1Saver(Saver):
             json.dump(index, f, indent=2)
             f.write("\n")
         copied = copy_model_files(self.adapter.model_path, self.work_dir,
-                                  config_transform=self._config_transform(tensors_described)) \
+                                  lambda config: self.adapter.output_config(config, tensors_described)) \
             if getattr(self.adapter, "model_path", None) and Path(self.adapter.model_path).is_dir() else []
         for rank in range(self.dist.world_size):
             (self.work_dir / _PARTIAL.format(rank=rank)).unlink()
