@@ -46,7 +46,7 @@ class PracticeError(UserError):
     """A practice YAML that does not match the schema."""
 
 
-class _SchemaError(Exception):
+class SchemaError(Exception):
     """Raised inside the builder with the key path; the loader adds the file name."""
 
     def __init__(self, path: str, message: str) -> None:
@@ -210,37 +210,37 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value is None:
             if type(None) in args:
                 return None
-            raise _SchemaError(path, f"must not be null; expected {_type_name(tp)}")
+            raise SchemaError(path, f"must not be null; expected {_type_name(tp)}")
         errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(arg, value, path)
-            except _SchemaError as exc:
+            except SchemaError as exc:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
-        raise _SchemaError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise SchemaError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         if value not in args or type(value) not in {type(a) for a in args}:
-            raise _SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(map(str, args))}")
+            raise SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(map(str, args))}")
         return value
     if value is None:
-        raise _SchemaError(path, f"must not be null; expected {_type_name(tp)}")
+        raise SchemaError(path, f"must not be null; expected {_type_name(tp)}")
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise _SchemaError(path, f"expected a list, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a list, got {type(value).__name__} {value!r}")
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
-                raise _SchemaError(path, f"expected a list of {len(args)} items, got {len(value)}")
+                raise SchemaError(path, f"expected a list of {len(args)} items, got {len(value)}")
             return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value)))
         item_tp = args[0] if args else Any
         items = [_convert(item_tp, v, _join(path, i)) for i, v in enumerate(value)]
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise _SchemaError(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a mapping, got {type(value).__name__} {value!r}")
         key_tp, val_tp = args if args else (Any, Any)
         return {
             _convert(key_tp, k, _join(path, str(k))): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()
@@ -251,32 +251,32 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for member in tp:
             if value == member.value or value == member.name:
                 return member
-        raise _SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(str(m.value) for m in tp)}")
+        raise SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(str(m.value) for m in tp)}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise _SchemaError(path, f"expected true/false, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected true/false, got {type(value).__name__} {value!r}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _SchemaError(path, f"expected an integer, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected an integer, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _SchemaError(path, f"expected a number, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a number, got {type(value).__name__} {value!r}")
         if not math.isfinite(value):  # YAML's .inf / .nan: no field of a practice means "unbounded" by them
-            raise _SchemaError(path, f"expected a finite number, got {value!r}")
+            raise SchemaError(path, f"expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _SchemaError(path, f"expected a string, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a string, got {type(value).__name__} {value!r}")
         return value
     if tp is Path:
         if not isinstance(value, str):
-            raise _SchemaError(path, f"expected a path string, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a path string, got {type(value).__name__} {value!r}")
         return Path(value)
     if isinstance(tp, type):
         if not isinstance(value, tp):
-            raise _SchemaError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
         return value
     raise TypeError(f"{path}: unsupported type hint {tp!r} in a config dataclass")
 
@@ -299,54 +299,54 @@ def build_dataclass(
     ValueError/TypeError becomes an error at `path`.
     """
     if not isinstance(data, Mapping):
-        raise _SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
+        raise SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
     allowed = [f.name for f in fields]
     for key in data:
         if key not in allowed:
-            raise _SchemaError(_join(path, str(key)), _unknown_key_message(key, allowed))
+            raise SchemaError(_join(path, str(key)), _unknown_key_message(key, allowed))
     kwargs: dict[str, Any] = {}
     for f in fields:
         key_path = _join(path, f.name)
         if f.name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _SchemaError(key_path, "required key is missing")
+                raise SchemaError(key_path, "required key is missing")
             continue
         converter = (custom or {}).get(f.name)
         kwargs[f.name] = converter(data[f.name], key_path) if converter else _convert(hints[f.name], data[f.name], key_path)
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise _SchemaError(path, str(exc)) from None
+        raise SchemaError(path, str(exc)) from None
     validate = getattr(obj, "validate", None)
     if callable(validate):
         try:
             validate()
         except (TypeError, ValueError) as exc:
-            raise _SchemaError(path, str(exc)) from None
+            raise SchemaError(path, str(exc)) from None
     return obj
 
 
 def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[Entry]:
     """`[{type: name, ...fields}, ...]` -> Entry(name, registry[name].config_cls built from the fields)."""
     if not isinstance(value, list):
-        raise _SchemaError(path, f"expected a list of {{type: ..., ...}} entries, got {type(value).__name__}")
+        raise SchemaError(path, f"expected a list of {{type: ..., ...}} entries, got {type(value).__name__}")
     if not value:
-        raise _SchemaError(path, f"empty; at least one {kind} is required")
+        raise SchemaError(path, f"empty; at least one {kind} is required")
     entries = []
     known = ", ".join(sorted(registry)) or "(none registered)"
     for i, entry in enumerate(value):
         entry_path = _join(path, i)
         if not isinstance(entry, Mapping):
-            raise _SchemaError(entry_path, f"expected a mapping with a 'type' key, got {type(entry).__name__} {entry!r}")
+            raise SchemaError(entry_path, f"expected a mapping with a 'type' key, got {type(entry).__name__} {entry!r}")
         if "type" not in entry:
-            raise _SchemaError(_join(entry_path, "type"), f"required key is missing; expected one of {known}")
+            raise SchemaError(_join(entry_path, "type"), f"required key is missing; expected one of {known}")
         name = entry["type"]
         if not isinstance(name, str) or name not in registry:
             close = difflib.get_close_matches(str(name), list(registry), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise _SchemaError(_join(entry_path, "type"), f"unknown {kind} type {name!r}; expected one of {known}{hint}")
+            raise SchemaError(_join(entry_path, "type"), f"unknown {kind} type {name!r}; expected one of {known}{hint}")
         fields = {k: v for k, v in entry.items() if k != "type"}
         entries.append(Entry(name, build_dataclass(registry[name].config_cls, fields, entry_path)))
     return entries
@@ -357,11 +357,11 @@ def _check_label_is_kept(label: Label, process: list[Entry], processors: Mapping
     listed = [processors[e.type] for e in process]
     if (label.w_bit < 16 or label.a_bit < 16) and not any(getattr(p, "quantizes_linears", False) for p in listed):
         quantizers = sorted(n for n, p in processors.items() if getattr(p, "quantizes_linears", False))
-        raise _SchemaError("spec.process", f"metadata.label promises {label.quant_type}, but no processor listed "
+        raise SchemaError("spec.process", f"metadata.label promises {label.quant_type}, but no processor listed "
                            f"quantizes linears (add one of: {', '.join(quantizers) or '(none registered)'})")
     if label.kv_cache and not any(getattr(p, "quantizes_attention", False) for p in listed):
         quantizers = sorted(n for n, p in processors.items() if getattr(p, "quantizes_attention", False))
-        raise _SchemaError("metadata.label.kv_cache", "true needs a processor in spec.process that quantizes the "
+        raise SchemaError("metadata.label.kv_cache", "true needs a processor in spec.process that quantizes the "
                            f"attention / KV cache; available: {', '.join(quantizers) or 'none in this version'}")
 
 
@@ -377,10 +377,10 @@ def _check_top_keys(data: Mapping[str, Any], required: tuple[str, ...]) -> None:
     allowed = ["apiversion", "metadata", "spec"]
     for key in data:
         if key not in allowed:
-            raise _SchemaError(str(key), _unknown_key_message(key, allowed))
+            raise SchemaError(str(key), _unknown_key_message(key, allowed))
     for key in required:
         if key not in data:
-            raise _SchemaError(key, "required key is missing")
+            raise SchemaError(key, "required key is missing")
 
 
 def _header(data: Mapping[str, Any]) -> tuple[str, Metadata]:
@@ -396,7 +396,7 @@ def load_practice_header(path: str | Path) -> PracticeHeader:
     try:
         _check_top_keys(data, ("apiversion", "metadata", "spec"))
         apiversion, metadata = _header(data)
-    except _SchemaError as exc:
+    except SchemaError as exc:
         raise PracticeError(f"{path}: {exc}") from None
     return PracticeHeader(apiversion, metadata, path)
 
@@ -428,9 +428,9 @@ def load_practice(
         apiversion, metadata = _header(data)
         spec = build_dataclass(Spec, data["spec"], "spec", custom={"process": process_entries, "save": save_entries})
         if apiversion == MULTIMODAL_APIVERSION and not spec.default_text.strip():
-            raise _SchemaError("spec.default_text", f"required (non-empty) for apiversion {MULTIMODAL_APIVERSION}")
+            raise SchemaError("spec.default_text", f"required (non-empty) for apiversion {MULTIMODAL_APIVERSION}")
         _check_label_is_kept(metadata.label, spec.process, processors)
-    except _SchemaError as exc:
+    except SchemaError as exc:
         raise PracticeError(f"{path}: {exc}") from None
     practice = PracticeConfig(apiversion=apiversion, metadata=metadata, spec=spec)
     practice.path = path

@@ -33,11 +33,21 @@ class DistContext:
 
         Max is exact in floating point, so every rank ends with bit-identical statistics whatever the rank count.
         """
+        return self._all_reduce(stats, torch_dist.ReduceOp.MAX, torch.float32)
+
+    def all_reduce_sum(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Element-wise sum over ranks: one collective, names in sorted order, in int64 when every tensor is an
+        integer (exact in any order), else in float64 (exact only where one rank contributes per element)."""
+        exact = all(not t.is_floating_point() for t in stats.values())
+        return self._all_reduce(stats, torch_dist.ReduceOp.SUM, torch.int64 if exact else torch.float64)
+
+    def _all_reduce(self, stats: dict[str, torch.Tensor], op: torch_dist.ReduceOp,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if not self.is_distributed or not stats:
             return stats
         names = sorted(stats)
-        flat = torch.cat([stats[n].reshape(-1).float() for n in names]).to(self.device)
-        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.MAX)
+        flat = torch.cat([stats[n].reshape(-1).to(self.device, dtype) for n in names])
+        torch_dist.all_reduce(flat, op=op)
         out, offset = {}, 0
         for n in names:
             numel = stats[n].numel()

@@ -17,10 +17,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class ProcessorConfig:
-    """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys."""
+    """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys.
+
+    One way in: a practice's entry and `build(**fields)` both go through the schema builder (types checked against
+    the field hints, nested mappings built as their dataclasses, then `validate`)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field for values out of range."""
+
+    @classmethod
+    def build(cls, **fields: Any) -> ProcessorConfig:
+        """The config for these YAML fields, checked as in a practice (ValueError naming the key)."""
+        from msmodelslim.core.config import SchemaError, build_dataclass
+
+        try:
+            return build_dataclass(cls, fields, getattr(cls, "_yaml_type", cls.__name__))
+        except SchemaError as exc:
+            raise ValueError(str(exc)) from None
 
 
 @dataclass
@@ -49,12 +62,15 @@ class Processor(ABC):
         self.config = config
         self.adapter = adapter
 
-    def preflight(self, adapter: ModelAdapter) -> None:
-        """Check the plan against the whole model before any compute (raise UserError for one that cannot work)."""
+    def preflight(self, adapter: ModelAdapter, schemes: dict[str, str]) -> None:
+        """Check the plan against the whole model before any compute (raise UserError for one that cannot work).
+
+        `schemes`: serving name -> the scheme each linear will get from the practice's linear_quant entries."""
 
     @abstractmethod
-    def process_unit(self, ctx: UnitContext) -> None:
-        """Transform `ctx.module` in place."""
+    def process_unit(self, ctx: UnitContext) -> Any:
+        """Transform `ctx.module` in place. A processor that needs calibration statistics, cross-rank reductions
+        or shared heavy work is a generator yielding requests the runner answers (`core/runner/requests.py`)."""
 
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
@@ -81,6 +97,7 @@ def register_processor(name: str, config_cls: type[ProcessorConfig]) -> Callable
             raise ValueError(f"processor type {name!r} registered twice")
         cls.config_cls = config_cls
         cls.name = name
+        config_cls._yaml_type = name
         PROCESSORS[name] = cls
         return cls
 

@@ -6,21 +6,30 @@ For a subgraph (producers of X -> linears reading X), per input channel j:
     W[:, j] <- W[:, j] * s_j   for every reader (including float readers such as the router)
 A channel that saw no activation (an expert that received no token) or has an all-zero weight column keeps s_j = 1.
 
-The model knowledge is data: `adapter.smooth_subgraphs(unit, module) -> list[Subgraph]`. Statistics come from one
-`ctx.collect_input_absmax` call per unit (the runner reduces replicated modules over data-parallel ranks); the
-"iteration" is the runner's: each unit is calibrated on the outputs of already-processed upstream units.
+The model knowledge is data: `adapter.smooth_subgraphs(unit, module) -> list[Subgraph]`. Statistics are the
+runner's: the processor asks for the readers' input absmax (`Observe`), and the runner reduces them over
+data-parallel ranks; the "iteration" is the runner's too: each unit is calibrated on the outputs of already-processed
+upstream units.
+
+Searched strength (`search: true`): per subgraph, the candidates are "no smoothing" and every alpha of
+`search_alphas`; the one of least modelled quantized output error on the calibration tokens is applied (ties keep
+the earlier, so "no smoothing" wins unless smoothing helps). For each quantized reader W (scheme from the
+practice's linear_quant plan), with D = diag(1/s):
+    weight part      tr(dW D H D dW^T),  dW = RTN(W diag(s)) - W diag(s),  H = X^T X
+    activation part  ||W diag(s)||_F^2 * sum_t (max_j |x_tj| / s_j)^2 / (12 qmax_a^2)
+(the second is the per-token quantizer's uniform rounding noise on X / s). The runner records H and the per-token
+ranges in a second pass; both are exact integer sums, so the choice is the same on any number of ranks.
 
 Expert parallelism: a subgraph whose readers are the routed experts (`across_ranks=True`: routed_expert_down_proj -> every
 expert's w1/w3, or the norm -> experts of a plain MoE) must get the same scale on every rank, but a rank holds only
-some experts. Its statistics (max over the local experts' inputs and weight columns) are max-reduced over ranks with
-`ctx.dist.all_reduce_max` -- one fixed-order collective per such subgraph (at most one per MoE layer), issued by
-every rank in the same order whatever experts it holds, together with the include/exclude decision, so every rank
-ends with bit-identical replicated weights.
+some experts. Its statistics (max over the local experts' inputs and weight columns) are max-reduced over ranks by
+the runner (a `Reduce` request, issued by every rank in the same order whatever experts it holds, together with the
+include/exclude decision); a searched one also sums its readers' errors over ranks, as integers on a grid of the
+largest, so every rank ends with bit-identical replicated weights.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,8 +38,14 @@ import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.requests import Observe, Reduce
+from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.processor.globs import selected
 from msmodelslim.processor.spans import WHOLE, Span
+from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
+from msmodelslim.quant.granularity import PerChannel
+from msmodelslim.quant.modules import get_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +110,26 @@ def multiply_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
     weight.copy_((weight.double() * s.to(weight.device)).to(weight.dtype))
 
 
+def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor, token_range: float,
+                   w_bits: Any, a_bits: Any) -> float:
+    """Quantized output error of one reader after smoothing by s (module docstring): weight part through the
+    Hessian plus the per-token activation rounding noise."""
+    ws = weight.double() * s.to(weight.device, torch.float64)
+    scale = minmax_scale(ws, w_bits, PerChannel())
+    dw = quantize_with_scale(ws, scale, w_bits).double() * scale - ws
+    m = dw / s.to(dw.device, torch.float64)
+    weight_part = float(((m @ hessian.to(m.device, torch.float64)) * m).sum())
+    act_part = float(ws.square().sum()) * token_range / (12.0 * a_bits.qmax ** 2)
+    return weight_part + act_part
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Config and processor
 # ---------------------------------------------------------------------------------------------------------------
+SEARCH_ALPHAS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+ERROR_GRID_BITS = 40  # readers' errors summed over ranks as integers in steps of 2^-40 of the largest
+
+
 @dataclass
 class IterSmoothConfig(ProcessorConfig):
     alpha: float = 0.9  # migration strength: 1 moves all of the activation range into the weights
@@ -105,6 +137,8 @@ class IterSmoothConfig(ProcessorConfig):
     enable_subgraph_type: list[SubgraphType] = field(default_factory=lambda: list(SUBGRAPH_TYPES))
     include: list[str] = field(default_factory=lambda: ["*"])  # fnmatch globs on the readers' checkpoint names
     exclude: list[str] = field(default_factory=list)
+    search: bool = False  # per subgraph: no smoothing or the best of search_alphas (module docstring); alpha unused
+    search_alphas: list[float] = field(default_factory=lambda: list(SEARCH_ALPHAS))
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -114,6 +148,9 @@ class IterSmoothConfig(ProcessorConfig):
         bad = [t for t in self.enable_subgraph_type if t not in SUBGRAPH_TYPES]
         if bad:
             raise ValueError(f"iter_smooth.enable_subgraph_type: unknown type {bad[0]!r} (known: {', '.join(SUBGRAPH_TYPES)})")
+        if not self.search_alphas or not all(0.0 <= a <= 1.0 for a in self.search_alphas):
+            raise ValueError(f"iter_smooth.search_alphas must be a non-empty list of values in [0, 1], "
+                             f"got {self.search_alphas!r}")
 
 
 @register_processor("iter_smooth", IterSmoothConfig)
@@ -123,19 +160,19 @@ class IterSmoothProcessor(Processor):
     def __init__(self, config: IterSmoothConfig, adapter: Any) -> None:
         super().__init__(config, adapter)
         self.counts: dict[str, int] = {}  # subgraphs smoothed per type on this rank (logging and tests)
+        self.chosen: dict[str, list[float | None]] = {}  # searched: alpha (None: not smoothed) per type, this rank
         self.skipped_online = 0  # subgraphs skipped because their reader takes an online rotation
+        self.schemes: dict[str, str] = {}  # reader checkpoint name -> planned scheme (for the search)
+
+    def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
+        self.schemes = dict(schemes)
 
     def selected(self, ctx: UnitContext, sg: Subgraph) -> bool:
         """Every reader's checkpoint name matches an include glob and no exclude glob."""
-        for name in sg.targets:
-            full = ctx.adapter.checkpoint_name(ctx.unit, name)
-            if not any(fnmatch.fnmatchcase(full, g) for g in self.config.include):
-                return False
-            if any(fnmatch.fnmatchcase(full, g) for g in self.config.exclude):
-                return False
-        return True
+        cfg = self.config
+        return all(selected(ctx.adapter.checkpoint_name(ctx.unit, t), cfg.include, cfg.exclude) for t in sg.targets)
 
-    def process_unit(self, ctx: UnitContext) -> None:
+    def process_unit(self, ctx: UnitContext) -> Any:
         enabled = set(self.config.enable_subgraph_type)
         modules = dict(ctx.module.named_modules())
         subgraphs = []
@@ -158,33 +195,47 @@ class IterSmoothProcessor(Processor):
         # EP forward is collective) and cross-rank subgraphs are always measured, their decision reduced over ranks
         subgraphs = [sg for sg in subgraphs if sg.across_ranks or self.selected(ctx, sg)]
         names = sorted({t for sg in subgraphs for t in sg.targets})
-        stats = ctx.collect_input_absmax(names)
+        absmax = (yield Observe(absmax=tuple(names))).absmax
+        alphas: dict[int, float | None] = {i: self.config.alpha for i in range(len(subgraphs))}
+        if self.config.search:
+            alphas = yield from self._search(ctx, subgraphs, modules, absmax)
         for kind in SUBGRAPH_TYPES:
-            for sg in subgraphs:
+            for i, sg in enumerate(subgraphs):
                 if sg.type == kind:
-                    self.smooth(ctx, sg, modules, stats)
+                    yield from self._smooth(ctx, sg, modules, absmax, alphas[i])
 
-    def smooth(self, ctx: UnitContext, sg: Subgraph, modules: dict[str, nn.Module],
-               stats: dict[str, torch.Tensor]) -> None:
-        device = ctx.dist.device
-        weights = [modules[t].weight.data for t in sg.targets]
-        width = weights[0].shape[-1] if weights else _source_width(modules, sg)
+    def _statistics(self, ctx: UnitContext, sg: Subgraph, modules: dict[str, nn.Module],
+                    absmax: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(max|X_j| over the readers, max|W_:,j| over the readers, 1.0 if this rank excludes the subgraph)."""
+        device = ctx.device
+        width = modules[sg.targets[0]].weight.shape[-1] if sg.targets else _source_width(modules, sg)
         x_max = torch.zeros(width, dtype=torch.float32, device=device)
         w_max = torch.zeros(width, dtype=torch.float32, device=device)
-        for t, w in zip(sg.targets, weights):
-            x_max = torch.maximum(x_max, stats[t].to(device, torch.float32))
-            w_max = torch.maximum(w_max, w.abs().amax(dim=0).to(device, torch.float32))
-        if sg.across_ranks:
-            skip = torch.tensor([0.0 if self.selected(ctx, sg) else 1.0], device=device)
-            red = ctx.dist.all_reduce_max({"skip": skip, "w": w_max, "x": x_max})
-            if float(red["skip"]) > 0:
-                return
-            x_max, w_max = red["x"], red["w"]
+        for t in sg.targets:
+            x_max = torch.maximum(x_max, absmax[t].to(device, torch.float32))
+            w_max = torch.maximum(w_max, modules[t].weight.data.abs().amax(dim=0).to(device, torch.float32))
+        return x_max, w_max, 0.0 if self.selected(ctx, sg) else 1.0
+
+    def _scale(self, sg: Subgraph, x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
         if sg.heads > 1:  # one scale per channel shared by all heads: the max over heads of both statistics
             x_max = x_max.view(sg.heads, -1).amax(dim=0)
             w_max = w_max.view(sg.heads, -1).amax(dim=0)
-        s = smooth_scale(x_max, w_max, self.config.alpha, self.config.scale_min)
+        return smooth_scale(x_max, w_max, alpha, self.config.scale_min)
 
+    def _reduced_statistics(self, ctx: UnitContext, sg: Subgraph, modules: dict[str, nn.Module],
+                            absmax: dict[str, torch.Tensor]) -> Any:
+        x_max, w_max, skip = self._statistics(ctx, sg, modules, absmax)
+        if sg.across_ranks:
+            red = yield Reduce("max", {"skip": torch.tensor([skip], device=ctx.device), "w": w_max, "x": x_max})
+            x_max, w_max, skip = red["x"], red["w"], float(red["skip"])
+        return x_max, w_max, skip
+
+    def _smooth(self, ctx: UnitContext, sg: Subgraph, modules: dict[str, nn.Module],
+                absmax: dict[str, torch.Tensor], alpha: float | None) -> Any:
+        x_max, w_max, skip = yield from self._reduced_statistics(ctx, sg, modules, absmax)
+        if skip > 0 or alpha is None:
+            return
+        s = self._scale(sg, x_max, w_max, alpha)
         for name in sg.sources:
             src = modules[name]
             if isinstance(src, nn.Linear):
@@ -199,13 +250,76 @@ class IterSmoothProcessor(Processor):
             multiply_columns(modules[name].weight.data, full)
         self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
+    # --- the search ---------------------------------------------------------------------------------------------
+    def _reader_schemes(self, ctx: UnitContext, sg: Subgraph) -> dict[str, Any]:
+        """Quantized readers of the subgraph -> their planned scheme (float readers add no error)."""
+        out = {}
+        for t in sg.targets:
+            scheme = self.schemes.get(ctx.adapter.checkpoint_name(ctx.unit, t), FLOAT)
+            if scheme != FLOAT:
+                out[t] = get_scheme(scheme)
+        return out
+
+    def _search(self, ctx: UnitContext, subgraphs: list[Subgraph], modules: dict[str, nn.Module],
+                absmax: dict[str, torch.Tensor]) -> Any:
+        """alpha (or None: no smoothing) per subgraph index, minimising the modelled error."""
+        candidates: dict[int, list[torch.Tensor]] = {}  # subgraph -> full-width scales, "none" first
+        token_ranges: dict[str, torch.Tensor] = {}
+        readers: dict[int, dict[str, Any]] = {}
+        for i, sg in enumerate(subgraphs):
+            x_max, w_max, _ = yield from self._reduced_statistics(ctx, sg, modules, absmax)
+            readers[i] = self._reader_schemes(ctx, sg)
+            ones = torch.ones_like(x_max, dtype=torch.float64)
+            candidates[i] = [ones] + [self._scale(sg, x_max, w_max, a).repeat(sg.heads)
+                                      for a in self.config.search_alphas]
+            inv = 1.0 / torch.stack(candidates[i])
+            for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert):
+                if group[0] in token_ranges:
+                    raise ValueError(f"unit {ctx.unit.name}: {group[0]} reads two smoothing subgraphs")
+                token_ranges[group[0]] = inv
+        if token_ranges:
+            reps = tuple(token_ranges)
+            stats = yield Observe(hessian=reps, token_ranges=token_ranges, ranges={n: absmax[n] for n in reps})
+        errors: dict[int, torch.Tensor] = {}
+        for i in range(len(subgraphs)):
+            per_reader = []
+            for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert):
+                h, r = stats.hessian[group[0]], stats.token_ranges[group[0]]
+                for t in group:
+                    scheme, w = readers[i][t], modules[t].weight.data
+                    per_reader.append([modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act)
+                                       for c, s in enumerate(candidates[i])])
+            errors[i] = torch.tensor(per_reader, dtype=torch.float64).reshape(-1, len(candidates[i]))
+        shared = [i for i, sg in enumerate(subgraphs) if sg.across_ranks]
+        totals = {i: errors[i].sum(dim=0) for i in errors}
+        if shared:  # rank-local readers: sum their errors over ranks exactly, as integers on one grid
+            top = yield Reduce("max", {str(i): errors[i].amax().reshape(1).float() if errors[i].numel() else
+                                       torch.zeros(1) for i in shared})
+            quanta = {i: max(float(top[str(i)]), 1e-300) * 2.0 ** -ERROR_GRID_BITS for i in shared}
+            ints = {str(i): torch.round(errors[i] / quanta[i]).to(torch.int64).sum(dim=0) for i in shared}
+            summed = yield Reduce("sum", ints)
+            totals.update({i: summed[str(i)].double() * quanta[i] for i in shared})
+        chosen = {}
+        for i, sg in enumerate(subgraphs):
+            best = int(torch.argmin(totals[i])) if readers[i] or sg.across_ranks else 0  # first of equal minima
+            chosen[i] = None if best == 0 else self.config.search_alphas[best - 1]
+            self.chosen.setdefault(sg.type, []).append(chosen[i])
+        return chosen
+
     def describe(self) -> dict[str, Any]:
         """{"iter_smooth": the settings}; per-rank counts stay out (the description must not depend on the ranks)."""
-        return {"iter_smooth": {
-            "alpha": self.config.alpha,
-            "scale_min": self.config.scale_min,
-            "subgraph_types": list(self.config.enable_subgraph_type),
-        }}
+        strength = {"search_alphas": list(self.config.search_alphas)} if self.config.search else \
+            {"alpha": self.config.alpha}
+        return {"iter_smooth": {**strength, "scale_min": self.config.scale_min,
+                                "subgraph_types": list(self.config.enable_subgraph_type)}}
+
+
+def _input_groups(readers: tuple[str, ...], is_expert: Any) -> list[tuple[str, ...]]:
+    """Readers of a subgraph that see one input: one routed expert's (w1 and w3), or all the others."""
+    groups: dict[str, list[str]] = {}
+    for name in readers:
+        groups.setdefault(name.rpartition(".")[0] if is_expert(name) else "", []).append(name)
+    return [tuple(g) for g in groups.values()]
 
 
 def _source_width(modules: dict[str, nn.Module], sg: Subgraph) -> int:

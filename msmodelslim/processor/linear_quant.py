@@ -17,45 +17,74 @@ QuantLinear, not an nn.Linear, so later entries skip it (the first matching entr
 Non-decoder units (kind "vision", "embed", "head") are left float unless an include glob that does NOT start with
 a wildcard matches: such a glob spells out the checkpoint prefix (`vision_tower.*`, `language_model.lm_head`), so
 catch-alls like "*" or "*self_attn*" never quantize the vision tower or the lm_head by accident.
+
+Weight methods (`qconfig.weight.method`, per-channel scales; `quant/modules.py`): `minmax`, `ssz` (least-squares
+refined minmax), `grid` (clipping grid + refinement), `gptq` (GPTQ on the input Hessian the runner records, with
+the diag(H)-weighted grid scale; `ext: {percdamp: 0.01, block_size: 128, act_order: true}` as msModelSlim names
+them). Each linear's quantization is one job for the runner: replicated linears are spread over data-parallel
+ranks and broadcast, routed experts are quantized by the rank that holds them.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.processor.globs import matching, selected
+from msmodelslim.quant.gptq import GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
-from msmodelslim.quant.modules import WEIGHT_METHODS, QuantLinear, QuantScheme, quantize_weight, scheme_for
+from msmodelslim.quant.modules import QuantLinear, QuantScheme, quantize_weight, scheme_for
 
 logger = logging.getLogger(__name__)
 
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
+GPTQ_EXT = {"percdamp": "damp", "block_size": "block_size", "act_order": "act_order"}  # msModelSlim's ext keys
 
 
 @dataclass
 class ActQConfig:
-    scope: str = "per_token"
-    dtype: str = "int8"
-    symmetric: bool = True
-    method: str = "minmax"
+    scope: Literal["per_token"] = "per_token"  # dynamic: the serving kernel quantizes each token
+    dtype: Literal["int8", "int4"] = "int8"
+    symmetric: Literal[True] = True
+    method: Literal["minmax"] = "minmax"
 
 
 @dataclass
 class WeightQConfig:
-    scope: str = "per_channel"
-    dtype: str = "int8"
-    symmetric: bool = True
-    method: str = "ssz"
+    scope: Literal["per_channel"] = "per_channel"
+    dtype: Literal["int8", "int4"] = "int8"
+    symmetric: Literal[True] = True
+    method: Literal["ssz", "minmax", "grid", "gptq"] = "ssz"
+    ext: dict[str, Any] = field(default_factory=dict)  # gptq: percdamp (0.01), block_size (128), act_order (true)
+
+    def validate(self) -> None:
+        if self.ext and self.method != "gptq":
+            raise ValueError(f"ext is only read by method gptq, not {self.method!r}")
+        unknown = sorted(set(self.ext) - set(GPTQ_EXT))
+        if unknown:
+            raise ValueError(f"ext: unknown key {unknown[0]!r} (expected {', '.join(GPTQ_EXT)})")
+        opts = self.gptq
+        if not 0 < opts.damp < 1:
+            raise ValueError(f"ext.percdamp must be in (0, 1), got {opts.damp!r}")
+        if isinstance(opts.block_size, bool) or not isinstance(opts.block_size, int) or opts.block_size <= 0:
+            raise ValueError(f"ext.block_size must be a positive integer, got {opts.block_size!r}")
+        if not isinstance(opts.act_order, bool):
+            raise ValueError(f"ext.act_order must be true or false, got {opts.act_order!r}")
+
+    @property
+    def gptq(self) -> GPTQOptions:
+        return GPTQOptions(**{GPTQ_EXT[k]: v for k, v in self.ext.items()})
 
 
 @dataclass
@@ -64,96 +93,28 @@ class QConfig:
     weight: WeightQConfig = field(default_factory=WeightQConfig)
 
 
-def _sub_config(cls: type, value: Any, key: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"linear_quant.{key} must be a mapping, got {value!r}")
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"linear_quant.{key}: unknown key {unknown[0]!r} (expected {sorted(known)})")
-    return cls(**value)
-
-
-def _parse_qconfig(value: Any) -> QConfig:
-    if isinstance(value, QConfig):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"linear_quant.qconfig must be a mapping with 'act' and 'weight', got {value!r}")
-    unknown = sorted(set(value) - {"act", "weight"})
-    if unknown:
-        raise ValueError(f"linear_quant.qconfig: unknown key {unknown[0]!r} (expected 'act', 'weight')")
-    return QConfig(act=_sub_config(ActQConfig, value.get("act", {}), "qconfig.act"),
-                   weight=_sub_config(WeightQConfig, value.get("weight", {}), "qconfig.weight"))
-
-
-def _check_globs(value: Any, key: str) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(g, str) for g in value):
-        raise ValueError(f"linear_quant.{key} must be a list of glob strings, got {value!r}")
-    return list(value)
-
-
 @dataclass
 class LinearQuantConfig(ProcessorConfig):
-    qconfig: QConfig = field(default_factory=QConfig)  # a plain mapping is accepted too (parsed in validate)
+    qconfig: QConfig = field(default_factory=QConfig)
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
-        self.qconfig = _parse_qconfig(self.qconfig)
-        self.include = _check_globs(self.include, "include")
-        self.exclude = _check_globs(self.exclude, "exclude")
-        act, w = self.qconfig.act, self.qconfig.weight
-        if act.scope != "per_token":
-            raise ValueError(f"linear_quant.qconfig.act.scope: only 'per_token' (dynamic) is supported, got {act.scope!r}")
-        if w.scope != "per_channel":
-            raise ValueError(f"linear_quant.qconfig.weight.scope: only 'per_channel' is supported, got {w.scope!r}")
-        for key, sub in (("act", act), ("weight", w)):
-            if sub.symmetric is not True:
-                raise ValueError(f"linear_quant.qconfig.{key}.symmetric: only True is supported, got {sub.symmetric!r}")
-            try:
-                int_dtype(sub.dtype)
-            except ValueError as exc:
-                raise ValueError(f"linear_quant.qconfig.{key}.dtype: {exc}") from None
-        if act.method != "minmax":
-            raise ValueError(f"linear_quant.qconfig.act.method: only 'minmax' is supported, got {act.method!r}")
-        if w.method not in WEIGHT_METHODS:
-            raise ValueError(f"linear_quant.qconfig.weight.method: expected one of {list(WEIGHT_METHODS)}, "
-                             f"got {w.method!r}")
         try:
             self.scheme  # noqa: B018 - validates the dtype pair
         except ValueError as exc:
-            raise ValueError(f"linear_quant.qconfig: {exc}") from None
+            raise ValueError(f"qconfig: {exc}") from None
 
     @property
     def scheme(self) -> QuantScheme:
         return scheme_for(int_dtype(self.qconfig.weight.dtype), int_dtype(self.qconfig.act.dtype))
 
 
-def _matches(name: str, globs: list[str]) -> list[str]:
-    return [g for g in globs if fnmatch.fnmatchcase(name, g)]
-
-
 def select(name: str, unit_kind: str, include: list[str], exclude: list[str]) -> bool:
     """The matching rule of linear_quant for one checkpoint name (see the module docstring)."""
-    hits = _matches(name, include)
     if unit_kind not in DECODER_KINDS:
-        hits = [g for g in hits if not g.startswith(_WILDCARDS)]
-    return bool(hits) and not _matches(name, exclude)
-
-
-def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
-    """Rank that does the work for each item: largest first onto the least-loaded rank (lowest rank on ties).
-    Deterministic, so every rank computes the same plan without communicating."""
-    owner, load = {}, [0] * world
-    for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes keep their order
-        owner[name] = load.index(min(load))
-        load[owner[name]] += sizes[name]
-    return owner
+        include = [g for g in matching(name, include) if not g.startswith(_WILDCARDS)]
+    return selected(name, include, exclude)
 
 
 @register_processor("linear_quant", LinearQuantConfig)
@@ -161,7 +122,7 @@ class LinearQuantProcessor(Processor):
     config: LinearQuantConfig
     quantizes_linears = True
 
-    def preflight(self, adapter: Any) -> None:
+    def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
         """Count the linears the globs select on the model's skeleton; selecting none is an error (the practice
         would run for hours and write a FLOAT model)."""
         cfg = self.config
@@ -175,43 +136,41 @@ class LinearQuantProcessor(Processor):
         logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name, cfg.include,
                     cfg.exclude, matched, len(names))
 
-    def process_unit(self, ctx: UnitContext) -> None:
+    def process_unit(self, ctx: UnitContext) -> Any:
         cfg = self.config
-        scheme = cfg.scheme
-        targets = []
+        scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
+        linears = {}
         for live_name, mod in ctx.module.named_modules():
             if not live_name or not isinstance(mod, nn.Linear):  # the unit root itself cannot be swapped in place
                 continue
-            ckpt = ctx.adapter.checkpoint_name(ctx.unit, live_name)
-            if select(ckpt, ctx.unit.kind, cfg.include, cfg.exclude):
-                targets.append(live_name)
-        linears = {name: ctx.module.get_submodule(name) for name in targets}
-        quantized = self._quantize_weights(ctx, linears)
+            if select(ctx.adapter.checkpoint_name(ctx.unit, live_name), ctx.unit.kind, cfg.include, cfg.exclude):
+                linears[live_name] = mod
+        if not linears:
+            return
+        hessians: dict[str, torch.Tensor] = {}
+        if weight_cfg.method == "gptq":
+            hessians = (yield Observe(hessian=tuple(linears))).hessian
+        jobs = []
+        for name, linear in linears.items():
+            out_f, in_f = linear.weight.shape
+            cost = out_f * in_f * (in_f if weight_cfg.method == "gptq" else 1)
+            jobs.append(Job(name, cost, partial(self._quantize, linear.weight.detach(), hessians.get(name)),
+                            outputs={"q": ((out_f, in_f), torch.int8), "scale": ((out_f, 1), torch.float32)},
+                            local=ctx.adapter.is_expert(name)))
+        results = yield Jobs(jobs)
         for live_name, linear in linears.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
-            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized[live_name]))
-        logger.info("linear_quant %s: %s quantized %d linears", scheme.name, ctx.unit.name, len(targets))
+            quantized = (results[live_name]["q"], results[live_name]["scale"])
+            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized))
+        logger.info("linear_quant %s (%s): %s quantized %d linears", scheme.name, weight_cfg.method, ctx.unit.name,
+                    len(linears))
 
-    def _quantize_weights(self, ctx: UnitContext, linears: dict[str, nn.Linear]) -> dict[str, tuple]:
-        """(q, scale) per linear. Rank-local experts are quantized by their rank. Each replicated linear is
-        quantized by one rank (largest first onto the least-loaded rank, the same plan on every rank) and broadcast
-        from there, so data-parallel ranks share that work and still end with the single-device integers."""
-        dist, scheme, method = ctx.dist, self.config.scheme, self.config.qconfig.weight.method
-
-        def quantize(name: str) -> tuple:
-            return quantize_weight(linears[name].weight.detach(), scheme.weight, method,
-                                   scale_dtype=scheme.engine_scale_dtype)
-
-        replicated = [n for n in linears if dist.is_distributed and not ctx.adapter.is_expert(n)]
-        owner = assign_owners({n: linears[n].weight.numel() for n in replicated}, dist.world_size)
-        out = {n: quantize(n) for n in linears if owner.get(n, dist.rank) == dist.rank}
-        for name in replicated:
-            w = linears[name].weight
-            q, scale = out.get(name) or (torch.empty(w.shape, dtype=torch.int8, device=w.device),
-                                         torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device))
-            out[name] = (dist.broadcast(q, owner[name]), dist.broadcast(scale, owner[name]))
-        return out
+    def _quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
+        q, scale = quantize_weight(weight, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
+                                   hessian=hessian, gptq=weight_cfg.gptq)
+        return {"q": q, "scale": scale}
 
     def describe(self) -> dict[str, Any]:
         return {}

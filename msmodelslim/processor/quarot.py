@@ -221,7 +221,7 @@ class QuaRotProcessor(Processor):
             self._online[size] = orthogonal_hadamard(size, self.config.block_size).float()
         return self._online[size]
 
-    def preflight(self, adapter: Any) -> None:
+    def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
         """Refuse, before any compute, a residual rotation the model cannot carry exactly."""
         if not self.config.rotate_hidden:
             return

@@ -152,3 +152,46 @@ def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) 
     """Per-row squared error ||w - dequant(quant(w))||^2 for per-channel scales [out, 1] (float64)."""
     q = quantize_with_scale(w.double(), scale.double(), bits)
     return ((w.double() - q.double() * scale.double()) ** 2).sum(dim=-1)
+
+
+def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: torch.Tensor | None = None,
+                      steps: int = 48, min_ratio: float = 0.3, refine: int = 4) -> torch.Tensor:
+    """Per-channel scales from a clipping grid, then a few least-squares refinements ("grid").
+
+    Each row tries s = r * max|w| / qmax for `steps` ratios r from 1 down to `min_ratio` and keeps the one of least
+    error sum_j imp_j (w_j - s q_j)^2 (imp = 1, or the input's second moment diag(X^T X) when known: the output
+    error of a weight column scales with it). The grid reaches the scales a descent from min/max cannot: on
+    MXFP4-decoded experts the rows sit on the FP4 grid and ssz stays in the first basin. From the best grid point,
+    `refine` alternating least-squares steps (as ssz, weighted) keep any row that improves. Float32 [out, 1].
+    """
+    d = _as_dtype(bits)
+    work = _work_dtype(w)
+    w2 = w.detach().to(work).reshape(w.shape[0], -1)
+    imp = torch.ones(w2.shape[1], dtype=work, device=w2.device) if importance is None else \
+        importance.to(w2.device, work).reshape(1, -1).clamp_min(0)
+    imp = imp.reshape(1, -1)
+    base = minmax_scale(w2, d, PerChannel())
+    q, prod = torch.empty_like(w2), torch.empty_like(w2)
+
+    def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [out, 1]
+        torch.div(w2, scale, out=q).round_().clamp_(d.qmin, d.qmax)
+        torch.sub(w2, q.mul_(scale), out=prod)
+        return prod.square_().mul_(imp).sum(dim=-1, keepdim=True)
+
+    best_s, best_err = base, error(base)
+    for k in range(1, steps):
+        s = base * (1.0 - k * (1.0 - min_ratio) / (steps - 1))
+        err = error(s)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+    for _ in range(refine):
+        torch.div(w2, best_s, out=q).round_().clamp_(d.qmin, d.qmax)
+        wq = torch.mul(w2, q, out=prod).mul_(imp).sum(dim=-1, keepdim=True)
+        qq = q.square().mul_(imp).sum(dim=-1, keepdim=True)
+        s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1e-30), best_s)
+        err = error(s)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+    return best_s.to(torch.float32)

@@ -25,11 +25,13 @@ from torch.nn import functional as F
 
 from msmodelslim.quant.functional import (
     dequantize,
+    grid_scale_search,
     quantize_per_token,
     quantize_symmetric,
     quantize_with_scale,
     ssz_scale_search,
 )
+from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQOptions, gptq_quantize, gptq_scale
 from msmodelslim.quant.granularity import IntDtype, PerChannel, int4, int8
 
 ONLINE_ROTATION = "online_rotation"
@@ -54,7 +56,9 @@ W8A8_DYNAMIC = QuantScheme("W8A8_DYNAMIC", int8, int8, engine_scale_dtype=torch.
 W4A8_DYNAMIC = QuantScheme("W4A8_DYNAMIC", int4, int8)
 W4A4_DYNAMIC = QuantScheme("W4A4_DYNAMIC", int4, int4)  # stress variant: int4 per-token activations
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC)}
-WEIGHT_METHODS = ("ssz", "minmax")
+# minmax: max|w| / qmax; ssz: least-squares refinement of minmax; grid: clipping grid + refinement (no data);
+# gptq: the diag(H)-weighted grid scale, then GPTQ's error-compensating rounding (needs the input Hessian).
+WEIGHT_METHODS = ("ssz", "minmax", "grid", "gptq")
 
 
 def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
@@ -79,7 +83,8 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
 
 
 def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_iters: int = 50,
-                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
+                    gptq: GPTQOptions = DEFAULT_GPTQ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1]).
 
     The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
@@ -88,11 +93,19 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_i
         _, scale = quantize_symmetric(w, dtype, PerChannel())
     elif method == "ssz":
         scale = ssz_scale_search(w, dtype, iters=ssz_iters)
+    elif method == "grid":
+        scale = grid_scale_search(w, dtype)
+    elif method == "gptq":
+        if hessian is None:
+            raise ValueError("weight method 'gptq' needs the input Hessian")
+        scale = gptq_scale(w, hessian, dtype)
     else:
         raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
     if scale_dtype != torch.float32:
         tiny = torch.finfo(scale_dtype).tiny
         scale = scale.to(scale_dtype).to(torch.float32).clamp_min(tiny)
+    if method == "gptq":
+        return gptq_quantize(w, hessian, scale, dtype, gptq), scale.to(torch.float32)
     return quantize_with_scale(w, scale, dtype), scale.to(torch.float32)
 
 

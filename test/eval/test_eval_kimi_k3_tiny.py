@@ -36,9 +36,9 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
     src, out = tiny_k3_checkpoint, root / "out"
     adapter = KimiK3ModelAdapter(src, trust_remote_code=True)
     try:
-        procs = [LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*experts.*"],
+        procs = [LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"],
                                                         exclude=["*shared_experts*"]), adapter),
-                 LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["*self_attn.*_proj", "*kv_a_proj_with_mqa",
+                 LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*self_attn.*_proj", "*kv_a_proj_with_mqa",
                                                                                 "*shared_experts.*",
                                                                                 "*routed_expert_*_proj"],
                                                         exclude=["*kv_b_proj", "*.f_b_proj", "*.g_[ab]_proj"]), adapter)]

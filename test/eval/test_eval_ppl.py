@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.errors import UserError
 from msmodelslim.eval.perplexity import build_parser, evaluate, make_windows, wrap_quantized_linears
 from msmodelslim.formats.ascendv1 import AscendV1Reader
@@ -117,8 +117,8 @@ def _quantize_and_save(src, out, online: bool):
     """Run the toy model unit by unit: quantize every linear except lm_head (W8A8) with up_proj W4A8; save."""
     adapter = ToyLM(src)
     saver = AscendV1Saver(AscendV1SaverConfig(float_dtype="float32"), adapter, out, SINGLE)
-    procs = [LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*up_proj"]), adapter),
-             LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["*"]), adapter)]
+    procs = [LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*up_proj"]), adapter),
+             LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"]), adapter)]
     modules = {}
     for unit in adapter.units():
         module = adapter.load_unit(unit, torch.device("cpu"))
@@ -128,7 +128,7 @@ def _quantize_and_save(src, out, online: bool):
             module.down_proj.register_buffer("online_rotation", t.float(), persistent=False)
         ctx = UnitContext(unit, module, adapter, SINGLE, run_samples=lambda: None)
         for p in procs:
-            p.process_unit(ctx)
+            run_processor(p, ctx)
         saver.save_unit(unit, module)
         modules[unit.name] = module
     saver.finalize({})

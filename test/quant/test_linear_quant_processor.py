@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, assign_owners, run_processor
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.base import PROCESSORS
-from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor, assign_owners
+from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.quant import QuantLinear
 
 W4A8 = {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
@@ -71,10 +71,10 @@ def test_two_entries_compose_experts_w4a8_rest_w8a8():
     torch.manual_seed(0)
     layer = Layer()
     ctx = _ctx(layer)
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
-                         ctx.adapter).process_unit(ctx)
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["*self_attn*", "*shared_experts*"]),
-                         ctx.adapter).process_unit(ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
+                         ctx.adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*self_attn*", "*shared_experts*"]),
+                         ctx.adapter), ctx)
     got = _schemes(layer)
     expected = {f"block_sparse_moe.experts.{e}.{w}": "W4A8_DYNAMIC" for e in range(2) for w in ("w1", "w2", "w3")}
     expected.update({"self_attn.q_proj": "W8A8_DYNAMIC", "self_attn.o_proj": "W8A8_DYNAMIC",
@@ -90,17 +90,17 @@ def test_catch_all_include_does_not_touch_head_or_vision_units():
     head = nn.Module()
     head.lm_head = nn.Linear(16, 32)
     ctx = _ctx(head, kind="head", prefix="language_model.")
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8), ctx.adapter).process_unit(ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8), ctx.adapter), ctx)
     assert isinstance(head.lm_head, nn.Linear)
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["language_model.lm_head"]),
-                         ctx.adapter).process_unit(ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["language_model.lm_head"]),
+                         ctx.adapter), ctx)
     assert isinstance(head.lm_head, QuantLinear)
 
 
 @pytest.mark.parametrize("bad,field", [
     ({"qconfig": {**W8A8, "act": {**W8A8["act"], "scope": "per_tensor"}}}, "act.scope"),
     ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "dtype": "int3"}}}, "weight.dtype"),
-    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}}}, "weight.method"),
+    ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "method": "awq"}}}, "weight.method"),
     ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "symmetric": False}}}, "weight.symmetric"),
     ({"qconfig": {**W8A8, "weight": {**W8A8["weight"], "granularity": 1}}}, "qconfig.weight"),
     ({"qconfig": {**W8A8, "act": {**W8A8["act"], "dtype": "int4"}}}, "qconfig"),  # W8A4 has no scheme
@@ -109,13 +109,13 @@ def test_catch_all_include_does_not_touch_head_or_vision_units():
 ])
 def test_bad_config_is_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
-        LinearQuantConfig(**{"qconfig": W8A8, **bad})
+        LinearQuantConfig.build(**{"qconfig": W8A8, **bad})
 
 
 def test_defaults_are_w8a8_include_all():
-    cfg = LinearQuantConfig()
+    cfg = LinearQuantConfig.build()
     assert cfg.scheme.name == "W8A8_DYNAMIC" and cfg.include == ["*"] and cfg.exclude == []
-    assert LinearQuantConfig(qconfig=W4A8).scheme.name == "W4A8_DYNAMIC"
+    assert LinearQuantConfig.build(qconfig=W4A8).scheme.name == "W4A8_DYNAMIC"
 
 
 def test_replicated_linears_are_shared_out_largest_first_to_the_least_loaded_rank():

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3 import quarot as kimi_quarot
 from msmodelslim.model.kimi_k3 import smooth as kimi_smooth
@@ -88,7 +88,7 @@ def process_units(adapter: ToyAdapter, processors: list, run_model: Callable[[],
             continue
         ctx = UnitContext(unit=unit, module=module, adapter=adapter, dist=dist, run_samples=run_model)
         for proc in processors:
-            proc.process_unit(ctx)
+            run_processor(proc, ctx)
 
 
 # --- models ------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kimi_units import STANDIN_DIR, rel_err
 
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.errors import UserError
 from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
@@ -51,7 +51,7 @@ def run_units(adapter, samples, processors):
 
         ctx = UnitContext(unit, module, adapter, adapter.dist, run_samples)
         for proc in processors:
-            proc.process_unit(ctx)
+            run_processor(proc, ctx)
         with torch.no_grad():
             states = [adapter.forward_unit(unit, module, s) for s in states]
         if unit.kind == "head":
@@ -73,7 +73,7 @@ def _samples(adapter, image: bool):
 
 def _check(adapter, samples, quarot: QuaRotConfig) -> IterSmoothProcessor:
     ref_logits, ref_mtp = run_units(adapter, samples, [])
-    smooth = IterSmoothProcessor(IterSmoothConfig(), adapter)
+    smooth = IterSmoothProcessor(IterSmoothConfig.build(), adapter)
     logits, mtp = run_units(adapter, samples, [QuaRotProcessor(quarot, adapter), smooth])
     assert len(logits) == len(samples) and len(mtp) == len(samples)
     for o, r in zip(logits + mtp, ref_logits + ref_mtp):
@@ -104,4 +104,4 @@ def test_residual_rotation_of_multimodal_kimi_k3_is_refused_before_compute(tiny_
 
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
         with pytest.raises(UserError, match=r"mm_projector\.post_norm.*rotate_hidden: false"):
-            QuaRotProcessor(QuaRotConfig(), adapter).preflight(adapter)
+            QuaRotProcessor(QuaRotConfig(), adapter).preflight(adapter, {})

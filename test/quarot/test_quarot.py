@@ -25,7 +25,7 @@ from kimi_units import (
 from torch.nn import functional as F
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.ops.hadamard import orthogonal_hadamard, random_hadamard
 from msmodelslim.processor.quarot import ONLINE_BUFFER, QuaRotConfig, QuaRotProcessor, space_seed
 
@@ -137,7 +137,7 @@ def test_latent_rotation_is_identical_on_every_expert_parallel_shard():
         for m in (full, shard):
             adapter, unit, layer = _moe_layer_unit(m)
             proc = quarot(adapter, online_down=True)
-            proc.process_unit(UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))
+            run_processor(proc, UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))
             results.append(layer.block_sparse_moe)
     a, b = results
     for key in ("8", "15"):
@@ -157,7 +157,7 @@ def test_mla_kv_a_rope_rows_take_only_the_hidden_rotation():
     gamma = layer.input_layernorm.weight.detach().double().clone()
     w = attn.kv_a_proj_with_mqa.weight.detach().double().clone()
     proc = quarot(adapter)
-    proc.process_unit(UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))
+    run_processor(proc, UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))
     q_h = random_hadamard(96, space_seed(0, "hidden", 96))
     q_kv = random_hadamard(40, space_seed(0, "kv_lora", 40))
     fused = w * gamma
@@ -190,4 +190,4 @@ def test_rotating_a_quantized_linear_is_a_clear_error():
     adapter, unit, layer = _moe_layer_unit(model)
     layer.self_attn.o_proj = QuantLinear.from_linear(layer.self_attn.o_proj, "W8A8_DYNAMIC", weight_method="minmax")
     with pytest.raises(ValueError, match="self_attn.o_proj has no float weight"):
-        quarot(adapter).process_unit(UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))
+        run_processor(quarot(adapter), UnitContext(unit, layer, adapter, SINGLE, run_samples=lambda: None))

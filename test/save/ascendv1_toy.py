@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.quant import QuantLinear
@@ -122,7 +122,7 @@ def write_source_dir(path: Path) -> Path:
 def quantize(layer: ToyLayer, adapter: ModelAdapter, dist: DistContext = SINGLE) -> ToyLayer:
     """The w4a8 practice: experts W4A8 (shared excluded), then the rest W8A8 (router excluded)."""
     ctx = UnitContext(UNIT, layer, adapter, dist, run_samples=lambda: None)
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
-                         adapter).process_unit(ctx)
-    LinearQuantProcessor(LinearQuantConfig(qconfig=W8A8, include=["*"], exclude=["*gate"]), adapter).process_unit(ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
+                         adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"], exclude=["*gate"]), adapter), ctx)
     return layer

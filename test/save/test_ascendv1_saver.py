@@ -188,8 +188,10 @@ def _worker(rank: int, world: int, port: int, src: str, out: str, part: float) -
         layer = quantize(make_layer(experts=[rank]), adapter, dist)
         saver = AscendV1Saver(AscendV1SaverConfig(part_file_size=part), adapter, Path(out), dist)
         saver.save_unit(UNIT, layer)
-        dist.barrier()
-        saver.finalize({"m": 1})
+        saver.finish_rank()
+        dist.barrier()  # what the runner does between the two steps
+        if dist.is_main:
+            saver.merge({"m": 1})
     finally:
         torch_dist.destroy_process_group()
 

@@ -21,7 +21,8 @@ from kimi_test_models import MINI, kimi_linear_mini, mini_tokens, native_kimi_li
 from kimi_units import ToyAdapter, native_torch_kernels, per_expert_modules, process_units, rel_err, standin_cpu_kernels
 
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, observe, run_processor
+from msmodelslim.core.runner.requests import Observe
 from msmodelslim.processor.iter_smooth import SUBGRAPH_TYPES, IterSmoothConfig, IterSmoothProcessor, smooth_scale
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
 
@@ -34,7 +35,7 @@ def logits_of(model, samples):
 
 
 def smoother(adapter, **kw) -> IterSmoothProcessor:
-    cfg = IterSmoothConfig(**kw)
+    cfg = IterSmoothConfig.build(**kw)
     cfg.validate()
     return IterSmoothProcessor(cfg, adapter)
 
@@ -111,8 +112,8 @@ def test_expert_without_tokens_is_left_untouched():
         before = {w: getattr(block.experts["5"], w).weight.detach().clone() for w in ("w2", "w3")}
         adapter = ToyAdapter(model)
         unit, layer = _layer(adapter, "layers.1")
-        smoother(adapter, enable_subgraph_type=["up-down"]).process_unit(
-            UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples)))
+        run_processor(smoother(adapter, enable_subgraph_type=["up-down"]),
+                      UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples)))
         for w, t in before.items():
             assert torch.equal(getattr(block.experts["5"], w).weight, t)
         assert not torch.equal(block.experts["4"].w3.weight, block.experts["4"].w3.weight.new_zeros(1))
@@ -127,10 +128,10 @@ def test_gated_norm_scale_is_shared_by_heads():
         unit, layer = _layer(adapter, "layers.0")
         attn = layer.self_attn
         ctx = UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples))
-        x = ctx.collect_input_absmax(["self_attn.o_proj"])["self_attn.o_proj"].double().view(2, -1).amax(0)
+        x = observe(ctx, Observe(absmax=["self_attn.o_proj"])).absmax["self_attn.o_proj"].double().view(2, -1).amax(0)
         w = attn.o_proj.weight.detach().double().abs().amax(0).view(2, -1).amax(0)
         gamma, wo = attn.o_norm.weight.detach().double().clone(), attn.o_proj.weight.detach().double().clone()
-        smoother(adapter, enable_subgraph_type=["gated-norm-linear"], alpha=0.7).process_unit(ctx)
+        run_processor(smoother(adapter, enable_subgraph_type=["gated-norm-linear"], alpha=0.7), ctx)
     s = (x.pow(0.7) / w.pow(0.3)).clamp(min=1e-5)
     assert rel_err(attn.o_norm.weight, gamma / s) < 1e-6
     assert rel_err(attn.o_proj.weight, wo * s.repeat(2)) < 1e-6
@@ -198,7 +199,7 @@ def test_include_exclude_match_checkpoint_names():
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     proc = smoother(adapter, exclude=["*.self_attn.*"], enable_subgraph_type=["norm-linear", "up-down"])
     with standin_cpu_kernels(pkg.modeling_kimi_k3):
-        proc.process_unit(UnitContext(unit, layer, adapter, DistContext(),
+        run_processor(proc, UnitContext(unit, layer, adapter, DistContext(),
                                       run_samples=lambda: logits_of(model, standin_inputs(model)[1:])))
     changed = {n for n, p in layer.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {"post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -210,7 +211,7 @@ def test_include_exclude_match_checkpoint_names():
 ])
 def test_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
-        IterSmoothConfig(**kw).validate()
+        IterSmoothConfig.build(**kw).validate()
 
 
 def test_iter_smooth_config_parses_from_practice_yaml_schema():
@@ -231,4 +232,4 @@ def test_smoothing_a_quantized_linear_is_a_clear_error():
     unit, layer = _layer(adapter, "layers.0")
     layer.mlp.down_proj = QuantLinear.from_linear(layer.mlp.down_proj, "W8A8_DYNAMIC", weight_method="minmax")
     with pytest.raises(ValueError, match="mlp.down_proj has no float weight"):
-        smoother(adapter).process_unit(UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: None))
+        run_processor(smoother(adapter), UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: None))

@@ -33,7 +33,7 @@ from msmodelslim.core.runner.layer_wise import LayerWiseRunner
 from msmodelslim.errors import UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.processor.linear_quant import check_fused_groups
+from msmodelslim.processor.linear_quant import check_fused_groups, planned_schemes
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,9 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         processors = _build(spec.process, PROCESSORS, adapter)
+        schemes = planned_schemes(processors, adapter)
         for processor in processors:
-            processor.preflight(adapter)  # a plan that matches nothing fails now, before any compute
+            processor.preflight(adapter, schemes)  # a plan that matches nothing fails now, before any compute
         check_fused_groups(processors, adapter)
         savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core

@@ -1,7 +1,7 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
-Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (they run calibration
-forwards through `UnitContext` when they need statistics) -> forward the processed unit over the samples to make
+Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (the runner answers
+what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `context.py`) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
 follow the head) -> save -> free.
 """
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
-from msmodelslim.core.runner.context import UnitContext
+from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.base import Extras, Processor
 
@@ -99,7 +99,7 @@ class LayerWiseRunner:
                                   run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
                 for processor in self.processors:
                     t1 = time.perf_counter()
-                    processor.process_unit(ctx)
+                    run_processor(processor, ctx)
                     self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 
@@ -129,6 +129,11 @@ class LayerWiseRunner:
         t0 = time.perf_counter()
         self.dist.barrier()
         for saver in self.savers:
-            saver.finalize(metadata, extras)
+            saver.finish_rank()
+        self.dist.barrier()  # every rank's part is on disk
+        if self.dist.is_main:
+            for saver in self.savers:
+                saver.merge(metadata, extras)
+        self.dist.barrier()  # no rank returns before the output is complete
         self.stats.add("save", time.perf_counter() - t0)
         return self.stats

@@ -297,18 +297,17 @@ class AscendV1Saver(Saver):
         self._pending, self._pending_bytes = {}, 0
 
     # --- finish ----------------------------------------------------------------------------------------------
-    def finalize(self, metadata: dict[str, Any], extras: Any = None) -> None:
+    def finish_rank(self) -> None:
         if self._finalized:
-            raise RuntimeError("AscendV1Saver.finalize called twice")
+            raise RuntimeError("AscendV1Saver finished twice")
         self._finalized = True
         self._flush()
         partial = {"rank": self.dist.rank, "files": self._files, "description": self._description}
         with open(self.work_dir / _PARTIAL.format(rank=self.dist.rank), "w", encoding="utf-8") as f:
             json.dump(partial, f)
-        self.dist.barrier()
-        if self.dist.is_main:
-            self._merge(metadata, extras)
-        self.dist.barrier()
+
+    def merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
+        self._merge(metadata, extras)
 
     def _fused_layer_keys(self, description: dict[str, str]) -> dict[str, str]:
         """`<fused layer>.weight` -> its scheme, for every layer the serving engine fuses from several tensors.

@@ -3,7 +3,8 @@
 Contract (docs/dev/architecture.md):
     saver = SAVERS[type](config, adapter, work_dir, dist)
     saver.save_unit(unit, module)   # every rank, after the unit is processed; each rank writes what it owns
-    saver.finalize(metadata)        # every rank, after a barrier; rank 0 merges the ranks' partial indexes
+    saver.finish_rank()             # every rank: flush and record its part
+    saver.merge(metadata, extras)   # rank 0, after the runner's barrier: merge the ranks' parts
 A saver writes only into `work_dir` (a temporary directory the app publishes after success).
 """
 
@@ -45,8 +46,19 @@ class Saver(ABC):
         """Write (or buffer) what this rank owns of `unit`."""
 
     @abstractmethod
+    def finish_rank(self) -> None:
+        """Flush what this rank holds and record its part (every rank)."""
+
+    @abstractmethod
+    def merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
+        """Rank 0, once every rank has finished: merge the parts into the final index/description."""
+
     def finalize(self, metadata: dict[str, Any], extras: Any = None) -> None:
-        """Flush, then merge the per-rank results into the final index/description (rank 0)."""
+        """Both steps, in a single-process run (the runner does them with barriers between the ranks)."""
+        if self.dist.is_distributed:
+            raise RuntimeError("finalize is for single-process runs; the runner finishes distributed ones")
+        self.finish_rank()
+        self.merge(metadata, extras)
 
 
 SAVERS: dict[str, type[Saver]] = {}

@@ -1,0 +1,76 @@
+"""What a processor asks of the runner while it transforms one unit.
+
+A processor's `process_unit(ctx)` may be a generator: it yields one of these requests and receives the runner's
+answer, so it never runs a calibration forward, registers a hook or issues a collective itself:
+
+    stats = yield Observe(absmax=("mlp.down_proj",))      # -> Stats, reduced over data-parallel ranks
+    red = yield Reduce("max", {"w": local_max})            # -> dict, combined over ranks
+    results = yield Jobs([Job("mlp.down_proj", ...)])      # -> {key: {output: tensor}}, shared by every rank
+
+Every answer is identical on every rank and does not depend on how many ranks there are: statistics reduce by
+max (exact) or as integer sums (exact), and a job runs on exactly one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Observe:
+    """Statistics of module inputs over one calibration pass of the unit as it is now.
+
+    - `absmax`: per input channel, max |x| (float32 [d]).
+    - `hessian`: X^T X over every token (float64 [d, d]). The runner rounds x onto a per-channel integer grid of
+      2^15 steps of its range, so the sums are exact integers: the same on any number of ranks in any order.
+      The range comes from `ranges` when the processor has it for the unit as it is now, else from a first pass.
+    - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
+      of (max_j |x_j| * inv_j)^2 (float64 [c]), the spread a per-token activation quantizer meets after the input
+      is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).
+    """
+
+    absmax: Sequence[str] = ()
+    hessian: Sequence[str] = ()
+    token_ranges: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    ranges: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Stats:
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    hessian: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Tensors a processor computed from rank-local modules (routed experts under EP), combined over ranks.
+
+    `max` is exact. `sum` is exact where at most one rank holds a nonzero per element (e.g. one row per expert),
+    which is the only way processors use it."""
+
+    op: Literal["max", "sum"]
+    tensors: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Heavy per-linear work (a scale search, GPTQ). `run` returns tensors of the declared shapes and dtypes.
+
+    A job on replicated weights runs on one rank (largest cost first onto the least-loaded rank) and its result
+    is broadcast; a `local` job (a rank's own experts) runs on its rank only."""
+
+    key: str
+    cost: float
+    run: Callable[[], dict[str, torch.Tensor]]
+    outputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Jobs:
+    jobs: Sequence[Job]

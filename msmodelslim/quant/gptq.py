@@ -1,0 +1,71 @@
+"""GPTQ (Frantar et al., 2022) for per-channel symmetric integer weights, with the scales fixed beforehand.
+
+Columns are quantized one at a time (largest diag(H) first with `act_order`); each column's rounding error is
+spread over the columns not yet quantized through the Cholesky factor of H^-1, so the output error on the
+calibration inputs, tr(dW H dW^T) with H = X^T X, is what is minimised rather than the weight error. `damp` adds
+damp * mean(diag H) to the diagonal (msModelSlim's `percdamp`); a column no token reached (diag 0) is rounded to
+nearest and passes no error on. The per-row scale is a grid search weighted by diag(H) (`grid_scale_search`):
+with the scale fixed, the GPTQ updates cannot move the clipping range, so it is chosen for the weighted error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from msmodelslim.quant.functional import grid_scale_search
+from msmodelslim.quant.granularity import IntDtype
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp: float = 0.01  # msModelSlim's `percdamp`
+    block_size: int = 128
+    act_order: bool = True
+
+
+DEFAULT_GPTQ = GPTQOptions()
+
+
+def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype) -> torch.Tensor:
+    """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search."""
+    return grid_scale_search(w, dtype, importance=torch.diagonal(hessian))
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
+                  options: GPTQOptions = DEFAULT_GPTQ) -> torch.Tensor:
+    """Integers q (torch.int8 [out, in]) for `w` against per-row `scale` [out, 1], minimising tr(dW H dW^T)."""
+    damp, block_size, act_order = options.damp, options.block_size, options.act_order
+    work = torch.float64 if w.device.type == "cpu" else torch.float32
+    W = w.detach().to(work).clone()
+    H = hessian.to(w.device, torch.float64).clone()
+    cols = W.shape[1]
+    dead = torch.diagonal(H) <= 0
+    H[dead, :] = 0
+    H[:, dead] = 0
+    H[dead, dead] = 1
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+    H += torch.eye(cols, dtype=H.dtype, device=H.device) * (damp * torch.diagonal(H).mean())
+    # Upper Cholesky factor of H^-1 (its rows are the update directions of the column-by-column solve).
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(work)
+    s = scale.to(w.device, work).reshape(-1)
+    Q = torch.empty_like(W)
+    for start in range(0, cols, block_size):
+        end = min(start + block_size, cols)
+        W1 = W[:, start:end].clone()
+        Err = torch.empty_like(W1)
+        Hb = Hinv[start:end, start:end]
+        for i in range(end - start):
+            col = W1[:, i]
+            q = torch.clamp(torch.round(col / s), dtype.qmin, dtype.qmax)
+            Q[:, start + i] = q
+            err = (col - q * s) / Hb[i, i]
+            W1[:, i:] -= err[:, None] * Hb[i, i:][None, :]
+            Err[:, i] = err
+        W[:, end:] -= Err @ Hinv[start:end, end:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Q.to(torch.int8)

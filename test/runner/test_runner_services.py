@@ -1,0 +1,146 @@
+"""What the runner answers processors: statistics of calibration passes, reductions and shared jobs.
+
+References: float64 X^T X computed directly (rel. Frobenius error < 1e-5: x is rounded to 2^15 steps of its
+channel range); for rank invariance, the same tokens fed in another order and grouping must give bit-identical
+statistics; jobs over two gloo ranks must give every rank the single-process results, each job run once.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.core.runner.context import UnitContext, observe, run_jobs, run_processor
+from msmodelslim.core.runner.requests import Job, Jobs, Observe
+from msmodelslim.model.base import Unit
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = Unit("layers.0", "decoder", "model.layers.0.", 0)
+
+
+class NoExperts:
+    def is_expert(self, name: str) -> bool:
+        return False
+
+
+def two_readers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"a": nn.Linear(12, 5), "b": nn.Linear(12, 3)})
+
+
+def context(module: nn.Module, batches: list[torch.Tensor]) -> UnitContext:
+    def run() -> None:
+        for x in batches:
+            module["a"](x)
+            module["b"](x)
+
+    return UnitContext(UNIT, module, NoExperts(), SINGLE, run_samples=run)
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(90, 12, generator=g) * torch.linspace(0.1, 20, 12)  # channels of very different ranges
+    return x.to(torch.bfloat16).float()
+
+
+def test_hessian_is_x_transpose_x():
+    x = tokens()
+    module = two_readers()
+    stats = observe(context(module, [x[:40], x[40:]]), Observe(hessian=("a", "b"), absmax=("a",)))
+    ref = x.double().t() @ x.double()
+    for name in ("a", "b"):
+        assert float((stats.hessian[name] - ref).norm() / ref.norm()) < 1e-5
+    assert torch.equal(stats.absmax["a"], x.abs().amax(0))
+
+
+def test_statistics_do_not_depend_on_the_order_or_grouping_of_tokens():
+    """What data-parallel ranks change (which samples a rank sums first, which tokens share a call): nothing."""
+    x = tokens(1)
+    module = two_readers()
+    inv = 1.0 / torch.stack([torch.ones(12), torch.linspace(0.5, 3, 12)]).double()
+    request = lambda ranges: Observe(hessian=("a",), token_ranges={"a": inv}, ranges=ranges)  # noqa: E731
+    ranges = observe(context(module, [x]), Observe(absmax=("a",))).absmax
+    one = observe(context(module, [x]), request(ranges))
+    other = observe(context(module, [x[70:], x[:13], x[13:70]]), request(ranges))
+    assert torch.equal(one.hessian["a"], other.hessian["a"])
+    assert torch.equal(one.token_ranges["a"], other.token_ranges["a"])
+    ref = torch.stack([(x.double().abs() * inv[c]).amax(-1).square().sum() for c in range(2)])
+    assert float(((one.token_ranges["a"] - ref) / ref).abs().max()) < 1e-9
+
+
+def test_a_module_no_token_reached_reports_zeros():
+    module = two_readers()
+    stats = observe(UnitContext(UNIT, module, NoExperts(), SINGLE, run_samples=lambda: None),
+                    Observe(absmax=("a",), hessian=("b",)))
+    assert not stats.absmax["a"].any() and not stats.hessian["b"].any()
+
+
+def test_a_generator_processor_gets_its_answers():
+    """run_processor sends each answer back into the processor; a plain one just runs."""
+    seen = {}
+
+    class Asks:
+        def process_unit(self, ctx):
+            seen["stats"] = yield Observe(absmax=("a",))
+            seen["jobs"] = yield Jobs(_jobs())
+
+    module = two_readers()
+    run_processor(Asks(), context(module, [tokens()]))
+    assert torch.equal(seen["stats"].absmax["a"], tokens().abs().amax(0))
+    assert torch.equal(seen["jobs"]["j1"]["y"], torch.full((2,), 1.0))
+
+
+def _jobs(calls: list | None = None) -> list[Job]:
+    def make(i: int):
+        def run():
+            if calls is not None:
+                calls.append(i)
+            return {"y": torch.full((i + 1,), float(i)), "q": torch.arange(i + 3, dtype=torch.int8)}
+        return run
+
+    return [Job(f"j{i}", cost=10 - i, run=make(i), outputs={"y": ((i + 1,), torch.float32), "q": ((i + 3,), torch.int8)},
+                local=i == 3) for i in range(5)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jobs_rank(rank: int, world: int, port: int, out: Path) -> None:
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        calls: list[int] = []
+        results = run_jobs(DistContext(rank, world, torch.device("cpu")), _jobs(calls))
+        torch.save({"results": results, "calls": calls}, out / f"rank{rank}.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_shared_jobs_run_once_and_reach_every_rank(tmp_path):
+    mp.spawn(_jobs_rank, args=(2, _free_port(), tmp_path), nprocs=2, join=True)
+    single = run_jobs(SINGLE, _jobs())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    shared = sorted(c for r in ranks for c in r["calls"] if c != 3)
+    assert shared == [0, 1, 2, 4]  # each shared job on one rank
+    assert all(3 in r["calls"] for r in ranks)  # the local job on each
+    for r in ranks:
+        for key, outs in single.items():
+            for name, t in outs.items():
+                assert torch.equal(r["results"][key][name], t), (key, name)
+
+
+def test_processors_issue_no_collective():
+    """The runner owns every collective: no torch.distributed and no DistContext collective in processor/."""
+    pattern = re.compile(r"torch\.distributed|torch_dist|all_reduce|broadcast\(|\.barrier\(")
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in (REPO / "msmodelslim" / "processor").rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
