@@ -103,12 +103,12 @@ def rows(parts: list[list[torch.Tensor]], lo: int, hi: int, width: int) -> torch
     return torch.cat(chunks) if chunks else torch.zeros(0, width)
 
 
-def quantized(w: torch.Tensor, method: str, h: torch.Tensor) -> torch.Tensor:
+def quantized(w: torch.Tensor, method: str, h: torch.Tensor, tokens: int) -> torch.Tensor:
     """The dequantised int4 weight of `method` (fp32 scales, as the W4A8 MoE kernel keeps them)."""
-    if method == "gptq_minmax":
+    if method == "gptq_minmax":  # msModelSlim 26.1.0: min/max scales, H as measured
         scale = minmax_scale(w, int4, PerChannel()).float()
         return gptq_quantize(w, h, scale, int4).float() * scale
-    q, scale = quantize_weight(w, int4, method, hessian=h)
+    q, scale = quantize_weight(w, int4, method, hessian=h, tokens=tokens)
     return q.float() * scale
 
 
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--experts", type=int, default=2, help="routed experts measured per MoE layer")
     parser.add_argument("--moe-layers", default="1,5")
+    parser.add_argument("--cache", help="save the captured inputs here, or load them if the file exists")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -154,7 +155,12 @@ def main() -> None:
     adapter_units = adapter.units
     adapter.units = lambda: [u for u in adapter_units() if u.kind != "head" and
                              (u.kind != "decoder" or u.index <= last)]  # stop after the last measured layer
-    LayerWiseRunner(adapter, [quarot, capture], [], prefetch=False).run([{"input_ids": w} for w in windows])
+    if args.cache and Path(args.cache).is_file():
+        capture.inputs, capture.weights = torch.load(args.cache)
+    else:
+        LayerWiseRunner(adapter, [quarot, capture], [], prefetch=False).run([{"input_ids": w} for w in windows])
+        if args.cache:
+            torch.save((capture.inputs, capture.weights), args.cache)
     capture_s = time.perf_counter() - start
 
     table, smoothing = {}, {}
@@ -167,7 +173,7 @@ def main() -> None:
         h = x_cal.double().t() @ x_cal.double()
         row = {"kind": kind, "shape": list(w.shape), "tokens_cal": x_cal.shape[0], "tokens_test": x_test.shape[0]}
         for method in METHODS:
-            wq = quantized(w, method, h)
+            wq = quantized(w, method, h, x_cal.shape[0])
             row[f"{method}_w4a8"] = output_error(x_test, w, wq, int8)
             row[f"{method}_w4a4"] = output_error(x_test, w, wq, int4)
         table[key] = row
@@ -179,7 +185,7 @@ def main() -> None:
             res = {"searched_alpha": alpha}
             for name, s in variants.items():
                 ws, xs_cal, xs_test = (w.double() * s).float(), (x_cal.double() / s).float(), (x_test.double() / s).float()
-                wq = quantized(ws, NEW_DEFAULT, xs_cal.double().t() @ xs_cal.double())
+                wq = quantized(ws, NEW_DEFAULT, xs_cal.double().t() @ xs_cal.double(), xs_cal.shape[0])
                 res[name] = output_error(xs_test, ws, wq, int8)
             res["alpha_0.9_vs_none"] = res["alpha_0.9"] / res["none"]
             res["searched_vs_none"] = res["searched"] / res["none"]

@@ -148,13 +148,15 @@ class LinearQuantProcessor(Processor):
         if not linears:
             return
         hessians: dict[str, torch.Tensor] = {}
+        tokens: dict[str, int] = {}
         if weight_cfg.method == "gptq":
-            hessians = (yield Observe(hessian=tuple(linears))).hessian
+            stats = yield Observe(hessian=tuple(linears))
+            hessians, tokens = stats.hessian, stats.tokens
         jobs = []
         for name, linear in linears.items():
             out_f, in_f = linear.weight.shape
             cost = out_f * in_f * (in_f if weight_cfg.method == "gptq" else 1)
-            jobs.append(Job(name, cost, partial(self._quantize, linear.weight.detach(), hessians.get(name)),
+            jobs.append(Job(name, cost, partial(self._quantize, linear.weight.detach(), hessians.get(name), tokens.get(name)),
                             outputs={"q": ((out_f, in_f), torch.int8), "scale": ((out_f, 1), torch.float32)},
                             local=ctx.adapter.is_expert(name)))
         results = yield Jobs(jobs)
@@ -166,10 +168,11 @@ class LinearQuantProcessor(Processor):
         logger.info("linear_quant %s (%s): %s quantized %d linears", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(linears))
 
-    def _quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None,
+                  tokens: int | None) -> dict[str, torch.Tensor]:
         scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
         q, scale = quantize_weight(weight, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=hessian, gptq=weight_cfg.gptq)
+                                   hessian=hessian, tokens=tokens, gptq=weight_cfg.gptq)
         return {"q": q, "scale": scale}
 
     def describe(self) -> dict[str, Any]:

@@ -1,15 +1,14 @@
 """Quantizer math on tensors: symmetric integer quantization, per-token fake quantization, ssz scale search.
 
 Nothing here knows about modules. All arithmetic is done in float32 (or float64 when the input is float64);
-results are `q` (torch.int8 holding the integer values) and `scale` (float32, broadcastable against `q` except
-for PerGroup, see `dequantize`). Dequantised value = q * scale. Symmetric: no zero point (offset is 0).
+results are `q` (torch.int8 holding the integer values) and `scale` (float32, broadcastable against `q`). Dequantised value = q * scale. Symmetric: no zero point (offset is 0).
 """
 
 from __future__ import annotations
 
 import torch
 
-from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerGroup, PerTensor, PerToken, int_dtype
+from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerToken, int_dtype
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -21,24 +20,10 @@ def _as_dtype(bits: int | str | IntDtype) -> IntDtype:
 
 
 def _absmax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """max |x| reduced as the granularity says, with keepdim shapes ready for broadcasting."""
-    if isinstance(granularity, PerTensor):
-        return x.abs().amax().reshape([1] * max(x.dim(), 1))
+    """max |x| over the last dim, keepdim: PerChannel on weight rows [out, in] -> [out, 1]; PerToken [..., d] -> [..., 1]."""
     if isinstance(granularity, (PerChannel, PerToken)):
-        # PerChannel: weight rows [out, in] -> [out, 1]; PerToken: [..., d] -> [..., 1]. Only the last dim is reduced.
         return x.abs().amax(dim=-1, keepdim=True)
-    if isinstance(granularity, PerGroup):
-        g = granularity.group_size
-        if x.shape[-1] % g:
-            raise ValueError(f"last dim {x.shape[-1]} is not divisible by group_size {g}")
-        return x.reshape(*x.shape[:-1], x.shape[-1] // g, g).abs().amax(dim=-1)
     raise TypeError(f"unknown granularity {granularity!r}")
-
-
-def _expand_scale(scale: torch.Tensor, like: torch.Tensor, granularity: Granularity | None) -> torch.Tensor:
-    if isinstance(granularity, PerGroup):
-        return scale.repeat_interleave(granularity.group_size, dim=-1)
-    return scale
 
 
 def minmax_scale(x: torch.Tensor, bits: int | str | IntDtype, granularity: Granularity) -> torch.Tensor:
@@ -49,13 +34,11 @@ def minmax_scale(x: torch.Tensor, bits: int | str | IntDtype, granularity: Granu
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype,
-                        granularity: Granularity | None = None) -> torch.Tensor:
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) -> torch.Tensor:
     """q = clamp(round(x / scale), qmin, qmax) as torch.int8 (round half to even, like torch.round)."""
     d = _as_dtype(bits)
     xw = x.to(_work_dtype(x))
-    s = _expand_scale(scale.to(xw.dtype), xw, granularity)
-    return torch.clamp(torch.round(xw / s), d.qmin, d.qmax).to(torch.int8)
+    return torch.clamp(torch.round(xw / scale.to(xw.dtype)), d.qmin, d.qmax).to(torch.int8)
 
 
 def quantize_symmetric(w: torch.Tensor, bits: int | str | IntDtype,
@@ -63,16 +46,14 @@ def quantize_symmetric(w: torch.Tensor, bits: int | str | IntDtype,
     """Min/max symmetric quantization (default PerChannel): returns (q int8 tensor, scale float32)."""
     granularity = PerChannel() if granularity is None else granularity
     scale = minmax_scale(w, bits, granularity)
-    q = quantize_with_scale(w, scale, bits, granularity)
+    q = quantize_with_scale(w, scale, bits)
     return q, scale.to(torch.float32)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: Granularity | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale in float32 (PerGroup scales are expanded along the last dim), cast to `dtype`."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale in float32 (float64 when asked for), cast to `dtype`."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    s = _expand_scale(scale.to(work), q, granularity)
-    return (q.to(work) * s).to(dtype)
+    return (q.to(work) * scale.to(work)).to(dtype)
 
 
 def fake_quant_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> torch.Tensor:

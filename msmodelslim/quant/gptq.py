@@ -4,7 +4,13 @@ Columns are quantized one at a time (largest diag(H) first with `act_order`); ea
 spread over the columns not yet quantized through the Cholesky factor of H^-1, so the output error on the
 calibration inputs, tr(dW H dW^T) with H = X^T X, is what is minimised rather than the weight error. `damp` adds
 damp * mean(diag H) to the diagonal (msModelSlim's `percdamp`); a column no token reached (diag 0) is rounded to
-nearest and passes no error on. The per-row scale is a grid search weighted by diag(H) (`grid_scale_search`):
+nearest and passes no error on.
+
+With few tokens per input channel (a routed expert sees ~ top_k / n_experts of the calibration tokens) X^T X is a
+noisy estimate of the input covariance, and GPTQ fits the noise: on kimi-linear-mini an expert with 235 tokens for
+512 inputs got 2.1x the held-out error of plain ssz rounding. When the token count n is known, H is shrunk toward its
+diagonal by gamma = d / (n + d) (d inputs; a Ledoit-Wolf-style prior that keeps each channel's weight): the same
+expert then lands at 0.99x, and matrices with many tokens are unchanged (bench/layer_error.py). The per-row scale is a grid search weighted by diag(H) (`grid_scale_search`):
 with the scale fixed, the GPTQ updates cannot move the clipping range, so it is chosen for the weighted error.
 """
 
@@ -33,13 +39,23 @@ def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype) -> torch
     return grid_scale_search(w, dtype, importance=torch.diagonal(hessian))
 
 
+def shrunk_hessian(hessian: torch.Tensor, tokens: int | None) -> torch.Tensor:
+    """(1 - gamma) H + gamma diag(H), gamma = d / (tokens + d); H itself when the count is unknown (float64)."""
+    h = hessian.to(torch.float64)
+    if tokens is None:
+        return h.clone()
+    gamma = h.shape[0] / (max(tokens, 0) + h.shape[0])
+    return h * (1.0 - gamma) + torch.diag(torch.diagonal(h)) * gamma
+
+
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
-                  options: GPTQOptions = DEFAULT_GPTQ) -> torch.Tensor:
-    """Integers q (torch.int8 [out, in]) for `w` against per-row `scale` [out, 1], minimising tr(dW H dW^T)."""
+                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | None = None) -> torch.Tensor:
+    """Integers q (torch.int8 [out, in]) for `w` against per-row `scale` [out, 1], minimising tr(dW H dW^T)
+    (H shrunk toward its diagonal when `tokens`, the rows it summed, is given)."""
     damp, block_size, act_order = options.damp, options.block_size, options.act_order
     work = torch.float64 if w.device.type == "cpu" else torch.float32
     W = w.detach().to(work).clone()
-    H = hessian.to(w.device, torch.float64).clone()
+    H = shrunk_hessian(hessian.to(w.device), tokens)
     cols = W.shape[1]
     dead = torch.diagonal(H) <= 0
     H[dead, :] = 0

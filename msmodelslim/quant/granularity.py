@@ -1,11 +1,11 @@
 """One vocabulary for quantization granularity and integer dtypes, shared by every quantizer.
 
 Conventions (PyTorch layout): a weight is [out_features, in_features]; an activation is [..., features].
-- PerTensor: one scale for the whole tensor.
 - PerChannel: one scale per output channel of a weight, i.e. per row, reduced over the input dim -> scale [out, 1].
 - PerToken: one scale per token of an activation, reduced over the LAST dim only -> scale [..., 1].
   (Numerically the same reduction as PerChannel on a 2-D weight; kept distinct because it names a runtime quantity.)
-- PerGroup(n): one scale per n consecutive input elements of each row -> scale [out, in // n].
+These are the only two the serving schemes use (W8A8_DYNAMIC / W4A8_DYNAMIC): per-tensor and per-group scales have
+no consumer, so they have no type.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ class Granularity:
 
 
 @dataclass(frozen=True)
-class PerTensor(Granularity):
-    pass
-
-
-@dataclass(frozen=True)
 class PerChannel(Granularity):
     pass
 
@@ -31,15 +26,6 @@ class PerChannel(Granularity):
 @dataclass(frozen=True)
 class PerToken(Granularity):
     pass
-
-
-@dataclass(frozen=True)
-class PerGroup(Granularity):
-    group_size: int
-
-    def __post_init__(self) -> None:
-        if self.group_size <= 0:
-            raise ValueError(f"PerGroup.group_size must be positive, got {self.group_size}")
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,12 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
 
 def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_iters: int = 50,
                     scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
-                    gptq: GPTQOptions = DEFAULT_GPTQ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tokens: int | None = None, gptq: GPTQOptions = DEFAULT_GPTQ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1]).
 
     The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
-    positive one), and q is computed against exactly that value."""
+    positive one), and q is computed against exactly that value. gptq reads `hessian` (X^T X of the input) and
+    `tokens` (how many rows it summed)."""
     if method == "minmax":
         _, scale = quantize_symmetric(w, dtype, PerChannel())
     elif method == "ssz":
@@ -105,7 +106,7 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_i
         tiny = torch.finfo(scale_dtype).tiny
         scale = scale.to(scale_dtype).to(torch.float32).clamp_min(tiny)
     if method == "gptq":
-        return gptq_quantize(w, hessian, scale, dtype, gptq), scale.to(torch.float32)
+        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens), scale.to(torch.float32)
     return quantize_with_scale(w, scale, dtype), scale.to(torch.float32)
 
 

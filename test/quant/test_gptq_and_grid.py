@@ -119,3 +119,17 @@ def test_quantize_weight_gptq_needs_the_hessian():
         assert "Hessian" in str(exc)
     else:
         raise AssertionError("gptq without a Hessian was accepted")
+
+
+def test_with_few_tokens_the_shrunk_hessian_keeps_gptq_from_fitting_noise():
+    """40 calibration tokens for 64 inputs: plain GPTQ fits their noise and loses to round-to-nearest on 4000
+    held-out tokens of the same distribution; with the token count (H shrunk toward its diagonal) it beats RTN."""
+    x = correlated_inputs(4040, 64, seed=4)
+    cal, held_out = x[:40], x[40:]
+    h, h_test = cal.t() @ cal, held_out.t() @ held_out
+    w = torch.randn(48, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    scale = minmax_scale(w, int4, PerChannel())
+    rtn = output_error(w, quantize_with_scale(w, scale, int4).double() * scale, h_test)
+    plain = output_error(w, gptq_quantize(w, h, scale, int4).double() * scale, h_test)
+    shrunk = output_error(w, gptq_quantize(w, h, scale, int4, tokens=40).double() * scale, h_test)
+    assert plain > rtn > shrunk

@@ -57,6 +57,7 @@ def test_hessian_is_x_transpose_x():
     ref = x.double().t() @ x.double()
     for name in ("a", "b"):
         assert float((stats.hessian[name] - ref).norm() / ref.norm()) < 1e-5
+        assert stats.tokens[name] == 90
     assert torch.equal(stats.absmax["a"], x.abs().amax(0))
 
 

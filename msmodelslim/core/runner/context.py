@@ -81,6 +81,7 @@ class _Recorder:
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor]) -> None:
         self.absmax: dict[str, torch.Tensor] = {}
         self.hessian: dict[str, torch.Tensor] = {}  # int64 sums on the grid
+        self.tokens: dict[str, torch.Tensor] = {}  # int64 [1]: rows the Hessian summed
         self.token_ranges: dict[str, torch.Tensor] = {}  # int64 sums on the grid
         self.request = request
         self.steps = {n: _grid_step(ranges[n]) for n in request.hessian}
@@ -119,6 +120,8 @@ class _Recorder:
         h = (grid.t() @ grid).to(torch.int64)  # exact: every partial sum is an integer below 2^53
         prev = self.hessian.get(name)
         self.hessian[name] = h if prev is None else prev.add_(h)
+        count = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        self.tokens[name] = count if name not in self.tokens else self.tokens[name].add_(count)
 
     def _token_range(self, name: str, x: torch.Tensor) -> None:
         inv = self.request.token_ranges[name].to(x.device, torch.float64)
@@ -167,6 +170,7 @@ def _record(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor])
     for name in request.hessian:
         d = _width(modules[name])
         recorder.hessian.setdefault(name, torch.zeros(d, d, dtype=torch.int64, device=device))
+        recorder.tokens.setdefault(name, torch.zeros(1, dtype=torch.int64, device=device))
     for name, inv in request.token_ranges.items():
         recorder.token_ranges.setdefault(name, torch.zeros(inv.shape[0], dtype=torch.int64, device=device))
     return recorder
@@ -186,7 +190,8 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     rec = _record(ctx, request, ranges)
     shared = lambda stats: {n: v for n, v in stats.items() if not ctx.adapter.is_expert(n)}  # noqa: E731
     absmax = {**rec.absmax, **ctx.dist.all_reduce_max(shared(rec.absmax))}
-    sums = {**{f"h:{n}": v for n, v in rec.hessian.items()}, **{f"t:{n}": v for n, v in rec.token_ranges.items()}}
+    sums = {**{f"h:{n}": v for n, v in rec.hessian.items()}, **{f"n:{n}": v for n, v in rec.tokens.items()},
+            **{f"t:{n}": v for n, v in rec.token_ranges.items()}}
     sums.update(ctx.dist.all_reduce_sum({k: v for k, v in sums.items() if not ctx.adapter.is_expert(k[2:])}))
     hessian = {}
     for name in request.hessian:
@@ -194,7 +199,8 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
         hessian[name] = sums[f"h:{name}"].double() * step[:, None] * step[None, :]
     token_ranges = {name: sums[f"t:{name}"].double() * rec.range_quanta[name].to(ctx.device)
                     for name in request.token_ranges}
-    return Stats(absmax=absmax, hessian=hessian, token_ranges=token_ranges)
+    tokens = {name: int(sums[f"n:{name}"]) for name in request.hessian}
+    return Stats(absmax=absmax, hessian=hessian, tokens=tokens, token_ranges=token_ranges)
 
 
 def reduce_tensors(dist: DistContext, request: Reduce) -> dict[str, torch.Tensor]:

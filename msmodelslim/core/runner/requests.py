@@ -25,9 +25,10 @@ class Observe:
     """Statistics of module inputs over one calibration pass of the unit as it is now.
 
     - `absmax`: per input channel, max |x| (float32 [d]).
-    - `hessian`: X^T X over every token (float64 [d, d]). The runner rounds x onto a per-channel integer grid of
-      2^15 steps of its range, so the sums are exact integers: the same on any number of ranks in any order.
-      The range comes from `ranges` when the processor has it for the unit as it is now, else from a first pass.
+    - `hessian`: X^T X over every token (float64 [d, d]), and the number of those tokens (`tokens`). The runner
+      rounds x onto a per-channel integer grid of 2^15 steps of its range, so the sums are exact integers: the
+      same on any number of ranks in any order. The range comes from `ranges` when the processor has it for the
+      unit as it is now, else from a first pass.
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
       of (max_j |x_j| * inv_j)^2 (float64 [c]), the spread a per-token activation quantizer meets after the input
       is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).
@@ -43,6 +44,7 @@ class Observe:
 class Stats:
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)
     hessian: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
     token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
