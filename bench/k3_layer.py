@@ -11,7 +11,7 @@ Stages (seconds, from the runner's own statistics): load (MXFP4 decode), process
 (forwards), save. fla's Triton autotuning is timed on its own first: chunk_kda at this layer's shapes, first call
 vs the mean of the next ones, in a fresh process.
 
-Usage: python bench/k3_layer.py --device cuda:0 [--samples 8 --max-seq-len 1024 --layers 61]
+Usage: python bench/k3_layer.py --device cuda:0 [--samples 8 --max-seq-len 1024 --layers 61 --practice P.yaml]
 Prints one JSON line last.
 """
 
@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=61, help="decoder layers assumed for the projection (Kimi-K3's "
                                                              "count is not public; 61 is Kimi-K2's)")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
+    p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     args = p.parse_args()
 
     model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
@@ -76,15 +77,15 @@ def main() -> None:
     generate_s = time.perf_counter() - t0
     autotune = fla_autotune(args.device, args.max_seq_len) if args.device.startswith("cuda") else {}
 
-    practice = shrunken_practice(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml",
-                                 BENCH_OUT / "k3_layer_practice.yaml", args.samples, args.max_seq_len)
+    practice = shrunken_practice(Path(args.practice), BENCH_OUT / "k3_layer_practice.yaml", args.samples,
+                                 args.max_seq_len)
     runs = [run_quant(model, BENCH_OUT / "Kimi-K3-layer-w4a8", args.device, practice) for _ in range(args.runs)]
     warm = runs[-1]["ranks"][0]
     meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb")
     stages = {k: round(v, 2) for k, v in warm.items() if k not in meta}
     layer_s = warm["runner_wall"]  # the vision (1 tiny block), embed and head (vocab 4096) units take ~no time
     result = {
-        "bench": "k3_layer", "machine": machine(), "device": args.device,
+        "bench": "k3_layer", "machine": machine(), "device": args.device, "practice": Path(args.practice).name,
         "assumed": {"ep": EP, "local_experts": EXPERTS_PER_RANK, "topk_per_rank": TOPK_PER_RANK,
                     "expert_shape": [3072, 3584], "hidden": 7168, "layers_for_projection": args.layers,
                     "calibration": f"{args.samples} records of the practice's dataset, max_seq_len {args.max_seq_len}",

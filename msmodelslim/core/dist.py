@@ -37,7 +37,8 @@ class DistContext:
 
     def all_reduce_sum(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Element-wise sum over ranks: one collective, names in sorted order, in int64 when every tensor is an
-        integer (exact in any order), else in float64 (exact only where one rank contributes per element)."""
+        integer, else in float64. Exact in any order for integer values (below 2^53 in float64) and where one rank
+        contributes per element; the runner sums nothing else."""
         exact = all(not t.is_floating_point() for t in stats.values())
         return self._all_reduce(stats, torch_dist.ReduceOp.SUM, torch.int64 if exact else torch.float64)
 

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 GPTQ_EXT = {"percdamp": "damp", "block_size": "block_size", "act_order": "act_order"}  # msModelSlim's ext keys
+GPTQ_BATCH_BYTES = 2 << 30  # float64 Hessians per batched GPTQ of experts (its temporaries are a few times this)
 
 
 @dataclass
@@ -152,28 +153,62 @@ class LinearQuantProcessor(Processor):
         if weight_cfg.method == "gptq":
             stats = yield Observe(hessian=tuple(linears))
             hessians, tokens = stats.hessian, stats.tokens
-        jobs = []
-        for name, linear in linears.items():
-            out_f, in_f = linear.weight.shape
-            cost = out_f * in_f * (in_f if weight_cfg.method == "gptq" else 1)
-            jobs.append(Job(name, cost, partial(self._quantize, linear.weight.detach(), hessians.get(name), tokens.get(name)),
-                            outputs={"q": ((out_f, in_f), torch.int8), "scale": ((out_f, 1), torch.float32)},
-                            local=ctx.adapter.is_expert(name)))
-        results = yield Jobs(jobs)
+        results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
+        hessians.clear()  # a layer's Hessians can be tens of GB at full scale
+        merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         for live_name, linear in linears.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
-            quantized = (results[live_name]["q"], results[live_name]["scale"])
+            quantized = (merged[f"{live_name}.q"], merged[f"{live_name}.scale"])
             setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized))
         logger.info("linear_quant %s (%s): %s quantized %d linears", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(linears))
 
-    def _quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None,
-                  tokens: int | None) -> dict[str, torch.Tensor]:
+    def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
+              tokens: dict[str, int]) -> list[Job]:
+        """One job per replicated linear (the runner spreads them over ranks); for GPTQ, a rank's experts of one
+        shape in batches of about GPTQ_BATCH_BYTES of Hessians (one column loop for the batch)."""
+        gptq = self.config.qconfig.weight.method == "gptq"
+        batches: dict[tuple, list[list[str]]] = {}
+        singles = []
+        for name, linear in linears.items():
+            if not (gptq and ctx.adapter.is_expert(name)):
+                singles.append([name])
+                continue
+            shape = tuple(linear.weight.shape)
+            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 8))
+            groups = batches.setdefault(shape, [[]])
+            if len(groups[-1]) == per_batch:
+                groups.append([])
+            groups[-1].append(name)
+        jobs = []
+        for names in singles + [g for groups in batches.values() for g in groups]:
+            out_f, in_f = linears[names[0]].weight.shape
+            outputs = {}
+            for n in names:
+                outputs[f"{n}.q"] = ((out_f, in_f), torch.int8)
+                outputs[f"{n}.scale"] = ((out_f, 1), torch.float32)
+            work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
+                           [hessians.get(n) for n in names], [tokens.get(n) for n in names])
+            cost = len(names) * out_f * in_f * (in_f if gptq else 1)
+            jobs.append(Job(names[0], cost, work, outputs, local=ctx.adapter.is_expert(names[0])))
+        return jobs
+
+    def _quantize(self, weights: list[torch.Tensor], names: list[str], hessians: list[torch.Tensor | None],
+                  tokens: list[int | None]) -> dict[str, torch.Tensor]:
         scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
-        q, scale = quantize_weight(weight, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=hessian, tokens=tokens, gptq=weight_cfg.gptq)
-        return {"q": q, "scale": scale}
+        if len(weights) == 1:
+            w, h, n = weights[0], hessians[0], tokens[0]
+        else:  # a batch of experts: stacked, quantized by one batched GPTQ
+            w, h, n = torch.stack(weights), torch.stack(hessians), torch.tensor(tokens)
+        q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
+                                   hessian=h, tokens=n, gptq=weight_cfg.gptq)
+        if len(weights) == 1:
+            q, scale = q[None], scale[None]
+        out = {}
+        for i, name in enumerate(names):
+            out[f"{name}.q"], out[f"{name}.scale"] = q[i], scale[i]
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {}

@@ -143,18 +143,19 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     error sum_j imp_j (w_j - s q_j)^2 (imp = 1, or the input's second moment diag(X^T X) when known: the output
     error of a weight column scales with it). The grid reaches the scales a descent from min/max cannot: on
     MXFP4-decoded experts the rows sit on the FP4 grid and ssz stays in the first basin. From the best grid point,
-    `refine` alternating least-squares steps (as ssz, weighted) keep any row that improves. Float32 [out, 1].
+    `refine` alternating least-squares steps (as ssz, weighted) keep any row that improves. `w` is [..., out, in]
+    (leading dims: a batch of matrices), `importance` [..., in]; returns float32 [..., out, 1].
     """
     d = _as_dtype(bits)
     work = _work_dtype(w)
-    w2 = w.detach().to(work).reshape(w.shape[0], -1)
-    imp = torch.ones(w2.shape[1], dtype=work, device=w2.device) if importance is None else \
-        importance.to(w2.device, work).reshape(1, -1).clamp_min(0)
-    imp = imp.reshape(1, -1)
+    w2 = w.detach().to(work)
+    imp = torch.ones(w2.shape[-1], dtype=work, device=w2.device) if importance is None else \
+        importance.to(w2.device, work).clamp_min(0)
+    imp = imp.unsqueeze(-2)  # [..., 1, in]
     base = minmax_scale(w2, d, PerChannel())
     q, prod = torch.empty_like(w2), torch.empty_like(w2)
 
-    def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [out, 1]
+    def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [..., out, 1]
         torch.div(w2, scale, out=q).round_().clamp_(d.qmin, d.qmax)
         torch.sub(w2, q.mul_(scale), out=prod)
         return prod.square_().mul_(imp).sum(dim=-1, keepdim=True)

@@ -35,53 +35,65 @@ DEFAULT_GPTQ = GPTQOptions()
 
 
 def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype) -> torch.Tensor:
-    """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search."""
-    return grid_scale_search(w, dtype, importance=torch.diagonal(hessian))
+    """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search ([..., out, 1])."""
+    return grid_scale_search(w, dtype, importance=torch.diagonal(hessian, dim1=-2, dim2=-1))
 
 
-def shrunk_hessian(hessian: torch.Tensor, tokens: int | None) -> torch.Tensor:
-    """(1 - gamma) H + gamma diag(H), gamma = d / (tokens + d); H itself when the count is unknown (float64)."""
+def shrunk_hessian(hessian: torch.Tensor, tokens: int | torch.Tensor | None) -> torch.Tensor:
+    """(1 - gamma) H + gamma diag(H), gamma = d / (tokens + d) per matrix; H itself when the count is unknown
+    (float64, a new tensor; `hessian` [..., d, d], `tokens` a count or one per matrix)."""
     h = hessian.to(torch.float64)
     if tokens is None:
         return h.clone()
-    gamma = h.shape[0] / (max(tokens, 0) + h.shape[0])
-    return h * (1.0 - gamma) + torch.diag(torch.diagonal(h)) * gamma
+    d = h.shape[-1]
+    n = torch.as_tensor(tokens, dtype=torch.float64, device=h.device).clamp_min(0).reshape(-1, 1, 1)
+    gamma = (d / (n + d)).reshape(*h.shape[:-2], 1, 1) if h.dim() > 2 else d / (float(n) + d)
+    return h * (1.0 - gamma) + torch.diag_embed(torch.diagonal(h, dim1=-2, dim2=-1)) * gamma
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
-                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | None = None) -> torch.Tensor:
-    """Integers q (torch.int8 [out, in]) for `w` against per-row `scale` [out, 1], minimising tr(dW H dW^T)
-    (H shrunk toward its diagonal when `tokens`, the rows it summed, is given)."""
+                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1], minimising
+    tr(dW H dW^T) (H shrunk toward its diagonal when `tokens`, the rows it summed, is given).
+
+    Leading dims are a batch of independent matrices of one shape (a layer's routed experts): one column loop
+    runs them all, so the loop's per-column kernel launches are paid once per batch, not once per expert."""
+    if w.dim() == 2:
+        return gptq_quantize(w[None], hessian[None], scale[None], dtype, options,
+                             None if tokens is None else torch.as_tensor(tokens).reshape(1))[0]
     damp, block_size, act_order = options.damp, options.block_size, options.act_order
     work = torch.float64 if w.device.type == "cpu" else torch.float32
     W = w.detach().to(work).clone()
     H = shrunk_hessian(hessian.to(w.device), tokens)
-    cols = W.shape[1]
-    dead = torch.diagonal(H) <= 0
-    H[dead, :] = 0
-    H[:, dead] = 0
-    H[dead, dead] = 1
-    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else None
-    if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-    H += torch.eye(cols, dtype=H.dtype, device=H.device) * (damp * torch.diagonal(H).mean())
+    batch, _, cols = W.shape
+    eye = torch.eye(cols, dtype=H.dtype, device=H.device)
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    dead = diag <= 0  # [B, in]: no token reached the channel
+    live = (~dead).to(H.dtype)
+    H = H * live[:, :, None] * live[:, None, :] + torch.diag_embed(dead.to(H.dtype))
+    if act_order:
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+        W = torch.gather(W, 2, perm[:, None, :].expand_as(W))
+        H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand_as(H)), 2, perm[:, None, :].expand_as(H))
+    H = H + eye * (damp * torch.diagonal(H, dim1=-2, dim2=-1).mean(dim=-1))[:, None, None]
     # Upper Cholesky factor of H^-1 (its rows are the update directions of the column-by-column solve).
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(work)
-    s = scale.to(w.device, work).reshape(-1)
+    del H
+    s = scale.to(w.device, work).reshape(batch, -1)
     Q = torch.empty_like(W)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
-        W1 = W[:, start:end].clone()
+        W1 = W[:, :, start:end].clone()
         Err = torch.empty_like(W1)
-        Hb = Hinv[start:end, start:end]
+        Hb = Hinv[:, start:end, start:end]
         for i in range(end - start):
-            col = W1[:, i]
+            col = W1[:, :, i]
             q = torch.clamp(torch.round(col / s), dtype.qmin, dtype.qmax)
-            Q[:, start + i] = q
-            err = (col - q * s) / Hb[i, i]
-            W1[:, i:] -= err[:, None] * Hb[i, i:][None, :]
-            Err[:, i] = err
-        W[:, end:] -= Err @ Hinv[start:end, end:]
-    if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
+            Q[:, :, start + i] = q
+            err = (col - q * s) / Hb[:, i, i][:, None]
+            W1[:, :, i:] -= err[:, :, None] * Hb[:, i, i:][:, None, :]
+            Err[:, :, i] = err
+        W[:, :, end:] -= torch.bmm(Err, Hinv[:, start:end, end:])
+    if act_order:
+        Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[:, None, :].expand_as(Q))
     return Q.to(torch.int8)

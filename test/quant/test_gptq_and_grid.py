@@ -133,3 +133,18 @@ def test_with_few_tokens_the_shrunk_hessian_keeps_gptq_from_fitting_noise():
     plain = output_error(w, gptq_quantize(w, h, scale, int4).double() * scale, h_test)
     shrunk = output_error(w, gptq_quantize(w, h, scale, int4, tokens=40).double() * scale, h_test)
     assert plain > rtn > shrunk
+
+
+def test_a_batch_of_experts_gets_the_integers_each_would_get_alone():
+    """Batched GPTQ (the layer's experts of one shape in one column loop) == GPTQ per matrix, bit for bit
+    (float64 on CPU; act-order permutations and token counts differ per matrix)."""
+    g = torch.Generator().manual_seed(6)
+    xs = [correlated_inputs(n, 32, seed=10 + i) for i, n in enumerate((500, 40, 300))]
+    hs = torch.stack([x.t() @ x for x in xs])
+    ws = torch.randn(3, 16, 32, dtype=torch.float64, generator=g)
+    scales = minmax_scale(ws, int4, PerChannel())
+    tokens = torch.tensor([500, 40, 300])
+    batched = gptq_quantize(ws, hs, scales, int4, GPTQOptions(block_size=8), tokens=tokens)
+    for i in range(3):
+        alone = gptq_quantize(ws[i], hs[i], scales[i], int4, GPTQOptions(block_size=8), tokens=int(tokens[i]))
+        assert torch.equal(batched[i], alone), i

@@ -17,9 +17,11 @@ from torch import nn
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 
-HESSIAN_GRID_BITS = 15  # x is rounded to 2^15 steps of its channel range: products < 2^30, exact float64 sums
+HESSIAN_GRID_BITS = 15  # x is rounded to 2^15 steps of its channel range: products <= 2^30, exact float64 sums
+HESSIAN_MAX_TOKENS = 1 << (53 - 2 * HESSIAN_GRID_BITS)  # sums of products stay integers below 2^53
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: exact int64 sums up to 2^23 tokens
 
 
@@ -80,7 +82,7 @@ class _Recorder:
 
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor]) -> None:
         self.absmax: dict[str, torch.Tensor] = {}
-        self.hessian: dict[str, torch.Tensor] = {}  # int64 sums on the grid
+        self.hessian: dict[str, torch.Tensor] = {}  # sums on the grid: integers, held exactly in float64
         self.tokens: dict[str, torch.Tensor] = {}  # int64 [1]: rows the Hessian summed
         self.token_ranges: dict[str, torch.Tensor] = {}  # int64 sums on the grid
         self.request = request
@@ -90,7 +92,7 @@ class _Recorder:
             bound = (ranges[name].double()[None, :] * inv.double()).amax(dim=-1)  # [c]: max over tokens can reach
             self.range_quanta[name] = torch.where(bound > 0, bound * bound, torch.ones_like(bound)) \
                 * 2.0 ** -TOKEN_RANGE_GRID_BITS
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (input, step, its grid)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (input, step, its X^T X)
 
     def hooks(self, name: str) -> list[Callable]:
         out = []
@@ -112,16 +114,19 @@ class _Recorder:
         last = self._last
         if last is not None and last[0].data_ptr() == x.data_ptr() and last[0].shape == x.shape \
                 and last[0]._version == x._version and torch.equal(last[1], step):
-            grid = last[2]  # q, k, v reading one tensor: round it once (holding x keeps its address unique)
+            h = last[2]  # q, k, v reading one tensor: one product (holding x keeps its address unique)
         else:
             limit = float(1 << HESSIAN_GRID_BITS)
             grid = torch.round(x.double() / step).clamp_(-limit, limit)
-            self._last = (x, step, grid)
-        h = (grid.t() @ grid).to(torch.int64)  # exact: every partial sum is an integer below 2^53
+            h = grid.t() @ grid  # exact: every partial sum is an integer below 2^53
+            self._last = (x, step, h)
         prev = self.hessian.get(name)
-        self.hessian[name] = h if prev is None else prev.add_(h)
+        self.hessian[name] = h.clone() if prev is None else prev.add_(h)
         count = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
         self.tokens[name] = count if name not in self.tokens else self.tokens[name].add_(count)
+        if int(self.tokens[name]) > HESSIAN_MAX_TOKENS:
+            raise UserError(f"{name}: more than {HESSIAN_MAX_TOKENS} calibration tokens reach this linear; its "
+                            f"Hessian would no longer sum exactly (lower spec.max_samples or max_seq_len)")
 
     def _token_range(self, name: str, x: torch.Tensor) -> None:
         inv = self.request.token_ranges[name].to(x.device, torch.float64)
@@ -169,7 +174,7 @@ def _record(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor])
         recorder.absmax.setdefault(name, torch.zeros(_width(modules[name]), dtype=torch.float32, device=device))
     for name in request.hessian:
         d = _width(modules[name])
-        recorder.hessian.setdefault(name, torch.zeros(d, d, dtype=torch.int64, device=device))
+        recorder.hessian.setdefault(name, torch.zeros(d, d, dtype=torch.float64, device=device))
         recorder.tokens.setdefault(name, torch.zeros(1, dtype=torch.int64, device=device))
     for name, inv in request.token_ranges.items():
         recorder.token_ranges.setdefault(name, torch.zeros(inv.shape[0], dtype=torch.int64, device=device))
@@ -190,16 +195,17 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     rec = _record(ctx, request, ranges)
     shared = lambda stats: {n: v for n, v in stats.items() if not ctx.adapter.is_expert(n)}  # noqa: E731
     absmax = {**rec.absmax, **ctx.dist.all_reduce_max(shared(rec.absmax))}
-    sums = {**{f"h:{n}": v for n, v in rec.hessian.items()}, **{f"n:{n}": v for n, v in rec.tokens.items()},
-            **{f"t:{n}": v for n, v in rec.token_ranges.items()}}
-    sums.update(ctx.dist.all_reduce_sum({k: v for k, v in sums.items() if not ctx.adapter.is_expert(k[2:])}))
-    hessian = {}
-    for name in request.hessian:
+    # Hessians: integer-valued float64 (exact sums in any order); counts and token ranges: int64
+    hessian = {**rec.hessian, **ctx.dist.all_reduce_sum({n: v for n, v in rec.hessian.items()
+                                                         if not ctx.adapter.is_expert(n)})}
+    counts = {**{f"n:{n}": v for n, v in rec.tokens.items()}, **{f"t:{n}": v for n, v in rec.token_ranges.items()}}
+    counts.update(ctx.dist.all_reduce_sum({k: v for k, v in counts.items() if not ctx.adapter.is_expert(k[2:])}))
+    for name in request.hessian:  # to X^T X in place: no second copy of a layer's Hessians
         step = _grid_step(ranges[name]).to(ctx.device)
-        hessian[name] = sums[f"h:{name}"].double() * step[:, None] * step[None, :]
-    token_ranges = {name: sums[f"t:{name}"].double() * rec.range_quanta[name].to(ctx.device)
+        hessian[name].mul_(step[:, None]).mul_(step[None, :])
+    token_ranges = {name: counts[f"t:{name}"].double() * rec.range_quanta[name].to(ctx.device)
                     for name in request.token_ranges}
-    tokens = {name: int(sums[f"n:{name}"]) for name in request.hessian}
+    tokens = {name: int(counts[f"n:{name}"]) for name in request.hessian}
     return Stats(absmax=absmax, hessian=hessian, tokens=tokens, token_ranges=token_ranges)
 
 
