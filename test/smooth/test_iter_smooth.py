@@ -68,6 +68,50 @@ def test_standin_vlm_logits_unchanged_by_smoothing():
     assert counts["gated-norm-linear"] == 3 and counts["ov"] == 1
 
 
+def _all_w4a8(adapter) -> dict[str, str]:
+    """A linear_quant plan giving every linear of the model W4A8 (what the search reads the readers' bits from)."""
+    return {adapter.checkpoint_name(unit, name): "W4A8_DYNAMIC" for unit, module in adapter.units_modules
+            for name, mod in module.named_modules() if isinstance(mod, torch.nn.Linear)}
+
+
+def test_searched_smoothing_keeps_the_logits_and_records_its_choices():
+    """search: true applies, per subgraph, no smoothing or one alpha: still an exact transform (logits rel 2e-5
+    against the model before), and every subgraph's choice is one of the candidates."""
+    model, pkg = standin_vlm()
+    samples = standin_inputs(model)
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
+        ref = logits_of(model, samples)
+        adapter = ToyAdapter(model)
+        proc = smoother(adapter, search=True)
+        proc.preflight(adapter, _all_w4a8(adapter))
+        process_units(adapter, [proc], lambda: logits_of(model, samples))
+        out = logits_of(model, samples)
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) < TOL
+    chosen = [a for alphas in proc.chosen.values() for a in alphas]
+    assert set(proc.chosen) == set(SUBGRAPH_TYPES) and chosen
+    assert all(a is None or a in proc.config.search_alphas for a in chosen)
+    assert sum(proc.counts.values()) == sum(a is not None for a in chosen)
+
+
+def test_modelled_weight_error_is_the_output_error_on_the_calibration_tokens():
+    """Without the activation part, the model's error is exactly ||(X / s) dW^T||^2 with dW the rounding error of
+    W diag(s): the Hessian form against the tokens themselves, float64, rel 1e-9."""
+    from msmodelslim.processor.iter_smooth import modelled_error
+    from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
+    from msmodelslim.quant.granularity import PerChannel, int4, int8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 24, generator=g, dtype=torch.float64) * torch.linspace(0.1, 9, 24, dtype=torch.float64)
+    w = torch.randn(10, 24, generator=g, dtype=torch.float64)
+    s = torch.linspace(0.5, 2.0, 24, dtype=torch.float64)
+    ws = w * s
+    scale = minmax_scale(ws, int4, PerChannel())
+    dw = quantize_with_scale(ws, scale, int4).double() * scale - ws
+    direct = float(((x / s) @ dw.t()).square().sum())
+    assert abs(modelled_error(w, s, x.t() @ x, 0.0, int4, int8) - direct) <= 1e-9 * direct
+
+
 def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():
     """QuaRot (with online down rotations) then IterSmooth, as in a practice: still the same logits."""
     model = native_kimi_linear()
