@@ -113,20 +113,21 @@ def multiply_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
 def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor, token_range: float,
                    w_bits: Any, a_bits: Any) -> float:
     """Quantized output error of one reader after smoothing by s (module docstring): weight part through the
-    Hessian plus the per-token activation rounding noise."""
-    ws = weight.double() * s.to(weight.device, torch.float64)
+    Hessian plus the per-token activation rounding noise. Float32 unless the weight is float64 (it only ranks
+    candidates; the same inputs give the same bits on every rank)."""
+    work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    ws = weight.to(work) * s.to(weight.device, work)
     scale = minmax_scale(ws, w_bits, PerChannel())
-    dw = quantize_with_scale(ws, scale, w_bits).double() * scale - ws
-    m = dw / s.to(dw.device, torch.float64)
-    weight_part = float(((m @ hessian.to(m.device, torch.float64)) * m).sum())
-    act_part = float(ws.square().sum()) * token_range / (12.0 * a_bits.qmax ** 2)
+    m = (quantize_with_scale(ws, scale, w_bits).to(work) * scale - ws) / s.to(ws.device, work)
+    weight_part = float(((m @ hessian.to(m.device, work)) * m).sum(dtype=torch.float64))
+    act_part = float(ws.square().sum(dtype=torch.float64)) * token_range / (12.0 * a_bits.qmax ** 2)
     return weight_part + act_part
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config and processor
 # ---------------------------------------------------------------------------------------------------------------
-SEARCH_ALPHAS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+SEARCH_ALPHAS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9]
 ERROR_GRID_BITS = 40  # readers' errors summed over ranks as integers in steps of 2^-40 of the largest
 
 

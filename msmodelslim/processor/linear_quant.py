@@ -166,32 +166,30 @@ class LinearQuantProcessor(Processor):
 
     def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
               tokens: dict[str, int]) -> list[Job]:
-        """One job per replicated linear (the runner spreads them over ranks); for GPTQ, a rank's experts of one
-        shape in batches of about GPTQ_BATCH_BYTES of Hessians (one column loop for the batch)."""
+        """One job per linear, except for GPTQ: linears of one shape (a rank's experts; q/k/v) in batches of about
+        GPTQ_BATCH_BYTES of Hessians, one column loop per batch. Replicated jobs are spread over the ranks."""
         gptq = self.config.qconfig.weight.method == "gptq"
-        batches: dict[tuple, list[list[str]]] = {}
-        singles = []
+        groups: dict[tuple, list[list[str]]] = {}
         for name, linear in linears.items():
-            if not (gptq and ctx.adapter.is_expert(name)):
-                singles.append([name])
-                continue
             shape = tuple(linear.weight.shape)
-            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 8))
-            groups = batches.setdefault(shape, [[]])
-            if len(groups[-1]) == per_batch:
-                groups.append([])
-            groups[-1].append(name)
+            local = ctx.adapter.is_expert(name)
+            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 8)) if gptq else 1
+            batches = groups.setdefault((shape, local), [[]])
+            if len(batches[-1]) == per_batch:
+                batches.append([])
+            batches[-1].append(name)
         jobs = []
-        for names in singles + [g for groups in batches.values() for g in groups]:
-            out_f, in_f = linears[names[0]].weight.shape
-            outputs = {}
-            for n in names:
-                outputs[f"{n}.q"] = ((out_f, in_f), torch.int8)
-                outputs[f"{n}.scale"] = ((out_f, 1), torch.float32)
-            work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
-                           [hessians.get(n) for n in names], [tokens.get(n) for n in names])
-            cost = len(names) * out_f * in_f * (in_f if gptq else 1)
-            jobs.append(Job(names[0], cost, work, outputs, local=ctx.adapter.is_expert(names[0])))
+        for (shape, local), batches in groups.items():
+            out_f, in_f = shape
+            for names in batches:
+                outputs = {}
+                for n in names:
+                    outputs[f"{n}.q"] = ((out_f, in_f), torch.int8)
+                    outputs[f"{n}.scale"] = ((out_f, 1), torch.float32)
+                work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
+                               [hessians.get(n) for n in names], [tokens.get(n) for n in names])
+                cost = len(names) * out_f * in_f * (in_f if gptq else 1)
+                jobs.append(Job(names[0], cost, work, outputs, local=local))
         return jobs
 
     def _quantize(self, weights: list[torch.Tensor], names: list[str], hessians: list[torch.Tensor | None],

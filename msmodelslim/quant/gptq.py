@@ -62,7 +62,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         return gptq_quantize(w[None], hessian[None], scale[None], dtype, options,
                              None if tokens is None else torch.as_tensor(tokens).reshape(1))[0]
     damp, block_size, act_order = options.damp, options.block_size, options.act_order
-    work = torch.float64 if w.device.type == "cpu" else torch.float32
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32  # the Cholesky factors: float64
     W = w.detach().to(work).clone()
     H = shrunk_hessian(hessian.to(w.device), tokens)
     batch, _, cols = W.shape
@@ -79,21 +79,25 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
     # Upper Cholesky factor of H^-1 (its rows are the update directions of the column-by-column solve).
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(work)
     del H
-    s = scale.to(w.device, work).reshape(batch, -1)
-    Q = torch.empty_like(W)
+    s = scale.to(w.device, work).reshape(batch, 1, -1)
+    # Columns of W as contiguous rows ([B, in, out]): the loop reads one column and updates the ones after it.
+    Wt = W.transpose(1, 2).contiguous()
+    del W
+    Qt = torch.empty_like(Wt)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
-        W1 = W[:, :, start:end].clone()
+        W1 = Wt[:, start:end]
         Err = torch.empty_like(W1)
         Hb = Hinv[:, start:end, start:end]
         for i in range(end - start):
-            col = W1[:, :, i]
+            col = W1[:, i:i + 1]
             q = torch.clamp(torch.round(col / s), dtype.qmin, dtype.qmax)
-            Q[:, :, start + i] = q
-            err = (col - q * s) / Hb[:, i, i][:, None]
-            W1[:, :, i:] -= err[:, :, None] * Hb[:, i, i:][:, None, :]
-            Err[:, :, i] = err
-        W[:, :, end:] -= torch.bmm(Err, Hinv[:, start:end, end:])
+            Qt[:, start + i:start + i + 1] = q
+            err = (col - q * s) / Hb[:, i, i].reshape(batch, 1, 1)
+            W1[:, i:] -= Hb[:, i, i:].unsqueeze(-1) * err
+            Err[:, i:i + 1] = err
+        Wt[:, end:] -= torch.bmm(Hinv[:, start:end, end:].transpose(1, 2), Err)
+    Q = Qt.transpose(1, 2)
     if act_order:
         Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[:, None, :].expand_as(Q))
     return Q.to(torch.int8)
