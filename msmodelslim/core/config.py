@@ -328,6 +328,18 @@ def build_dataclass(
     return obj
 
 
+class FromFields:
+    """Base of processor and saver configs: `build(**fields)` checks fields as a practice entry's are checked (one
+    validation path: the schema builder, then `validate`)."""
+
+    @classmethod
+    def build(cls, **fields: Any) -> Any:
+        try:
+            return build_dataclass(cls, fields, getattr(cls, "_yaml_type", cls.__name__))
+        except SchemaError as exc:
+            raise ValueError(str(exc)) from None
+
+
 def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[Entry]:
     """`[{type: name, ...fields}, ...]` -> Entry(name, registry[name].config_cls built from the fields)."""
     if not isinstance(value, list):

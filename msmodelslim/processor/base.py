@@ -10,30 +10,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from msmodelslim.core.config import FromFields
+
 if TYPE_CHECKING:
     from msmodelslim.core.runner.context import UnitContext
     from msmodelslim.model.base import ModelAdapter
 
 
 @dataclass
-class ProcessorConfig:
-    """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys.
-
-    One way in: a practice's entry and `build(**fields)` both go through the schema builder (types checked against
-    the field hints, nested mappings built as their dataclasses, then `validate`)."""
+class ProcessorConfig(FromFields):
+    """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys, checked by the
+    schema builder whether they come from a practice or from `build(**fields)`."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field for values out of range."""
-
-    @classmethod
-    def build(cls, **fields: Any) -> ProcessorConfig:
-        """The config for these YAML fields, checked as in a practice (ValueError naming the key)."""
-        from msmodelslim.core.config import SchemaError, build_dataclass
-
-        try:
-            return build_dataclass(cls, fields, getattr(cls, "_yaml_type", cls.__name__))
-        except SchemaError as exc:
-            raise ValueError(str(exc)) from None
 
 
 @dataclass

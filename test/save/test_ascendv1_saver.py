@@ -175,7 +175,7 @@ def test_bad_saver_config_names_the_field():
     for bad, key in (({"part_file_size": 0}, "part_file_size"), ({"float_dtype": "int8"}, "float_dtype"),
                      ({"row_parallel_splits": 0}, "row_parallel_splits")):
         with pytest.raises(ValueError, match=key):
-            AscendV1SaverConfig(**bad)
+            AscendV1SaverConfig.build(**bad)
 
 
 # --- two ranks (gloo on CPU): rank r holds expert r; replicated tensors only from rank 0 -----------------------

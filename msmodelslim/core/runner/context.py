@@ -125,8 +125,7 @@ class _Recorder:
         count = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
         self.tokens[name] = count if name not in self.tokens else self.tokens[name].add_(count)
         if int(self.tokens[name]) > HESSIAN_MAX_TOKENS:
-            raise UserError(f"{name}: more than {HESSIAN_MAX_TOKENS} calibration tokens reach this linear; its "
-                            f"Hessian would no longer sum exactly (lower spec.max_samples or max_seq_len)")
+            raise UserError(_too_many_tokens(name))
 
     def _token_range(self, name: str, x: torch.Tensor) -> None:
         inv = self.request.token_ranges[name].to(x.device, torch.float64)
@@ -136,6 +135,11 @@ class _Recorder:
                             for c in range(inv.shape[0])])
         prev = self.token_ranges.get(name)
         self.token_ranges[name] = sums if prev is None else prev.add_(sums)
+
+
+def _too_many_tokens(name: str) -> str:
+    return (f"{name}: more than {HESSIAN_MAX_TOKENS} calibration tokens reach this linear; its Hessian would no "
+            f"longer sum exactly (lower spec.max_samples or spec.max_seq_len)")
 
 
 def _width(module: nn.Module) -> int:
@@ -193,14 +197,18 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
                              f"computed from")
         ranges.update(observe(ctx, Observe(absmax=tuple(unknown))).absmax)
     rec = _record(ctx, request, ranges)
-    shared = lambda stats: {n: v for n, v in stats.items() if not ctx.adapter.is_expert(n)}  # noqa: E731
-    absmax = {**rec.absmax, **ctx.dist.all_reduce_max(shared(rec.absmax))}
+
+    def replicated(stats: dict[str, torch.Tensor], prefix: int = 0) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in stats.items() if not ctx.adapter.is_expert(k[prefix:])}
+
+    absmax = {**rec.absmax, **ctx.dist.all_reduce_max(replicated(rec.absmax))}
     # Hessians: integer-valued float64 (exact sums in any order); counts and token ranges: int64
-    hessian = {**rec.hessian, **ctx.dist.all_reduce_sum({n: v for n, v in rec.hessian.items()
-                                                         if not ctx.adapter.is_expert(n)})}
+    hessian = {**rec.hessian, **ctx.dist.all_reduce_sum(replicated(rec.hessian))}
     counts = {**{f"n:{n}": v for n, v in rec.tokens.items()}, **{f"t:{n}": v for n, v in rec.token_ranges.items()}}
-    counts.update(ctx.dist.all_reduce_sum({k: v for k, v in counts.items() if not ctx.adapter.is_expert(k[2:])}))
+    counts.update(ctx.dist.all_reduce_sum(replicated(counts, prefix=2)))
     for name in request.hessian:  # to X^T X in place: no second copy of a layer's Hessians
+        if int(counts[f"n:{name}"]) > HESSIAN_MAX_TOKENS:  # over all ranks
+            raise UserError(_too_many_tokens(name))
         step = _grid_step(ranges[name]).to(ctx.device)
         hessian[name].mul_(step[:, None]).mul_(step[None, :])
     token_ranges = {name: counts[f"t:{name}"].double() * rec.range_quanta[name].to(ctx.device)

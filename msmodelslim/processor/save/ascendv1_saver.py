@@ -84,9 +84,6 @@ class AscendV1SaverConfig(SaverConfig):
     row_parallel: list[str] = field(default_factory=lambda: ["w2", "down_proj", "o_proj"])
     row_parallel_splits: int = 16  # scale_bias columns of a row-parallel int4 linear
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
         if isinstance(self.part_file_size, bool) or not isinstance(self.part_file_size, (int, float)) \
                 or not 0 < self.part_file_size <= MAX_PART_GIB:

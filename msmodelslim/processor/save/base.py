@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from msmodelslim.core.config import FromFields
 from msmodelslim.core.dist import DistContext
 
 if TYPE_CHECKING:
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SaverConfig:
-    """Base of every saver config; subclasses are dataclasses whose fields are the YAML keys."""
+class SaverConfig(FromFields):
+    """Base of every saver config; subclasses are dataclasses whose fields are the YAML keys (checked by the
+    schema builder, from a practice or from `build(**fields)`)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field for values out of range."""
@@ -69,6 +71,7 @@ def register_saver(name: str, config_cls: type[SaverConfig]) -> Callable[[type[S
         if name in SAVERS:
             raise ValueError(f"saver type {name!r} registered twice")
         cls.config_cls = config_cls
+        config_cls._yaml_type = name
         SAVERS[name] = cls
         return cls
 
