@@ -1,5 +1,6 @@
 """Our W4A8 / W8A8 outputs of kimi-linear-mini and of a tiny Kimi-K3, made with the shipped practices (fewer,
-shorter calibration samples): what the consumer tests and bench/lookup.py hand to vllm-ascend."""
+shorter calibration samples; min/max weights instead of GPTQ, which changes no name, scheme or layout): what the
+consumer tests and bench/lookup.py hand to vllm-ascend."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def build_outputs(root: Path, tiny_k3: Path) -> dict[tuple[str, str], Path]:
             continue
         for quant_type in ("w4a8", "w8a8"):
             practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
-                                         max_samples=2, max_seq_len=64)
+                                         max_samples=2, max_seq_len=64, plain_numerics=True)
             out = root / f"{model}_{quant_type}"
             quant(QuantArgs(model_path=str(path), save_path=str(out), device="cpu", model_type=model_type,
                             config_path=str(practice), trust_remote_code=True))

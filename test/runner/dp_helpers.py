@@ -21,11 +21,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def shrunken_practice(source: Path, dest: Path, max_samples: int, max_seq_len: int, extra_process: list | None = None,
-                      ) -> Path:
-    """The shipped practice with fewer, shorter calibration samples (same processors), written to `dest`."""
+                      plain_numerics: bool = False) -> Path:
+    """The shipped practice with fewer, shorter calibration samples (same processors), written to `dest`.
+
+    `plain_numerics`: min/max weights and fixed-alpha smoothing instead of GPTQ and the search, for tests of what
+    the output looks like (names, schemes, layouts), which the choice of the integers does not change."""
     practice = yaml.safe_load(source.read_text())
     practice["spec"]["max_samples"] = max_samples
     practice["spec"]["max_seq_len"] = max_seq_len
+    if plain_numerics:
+        for step in practice["spec"]["process"]:
+            if step["type"] == "linear_quant":
+                step["qconfig"]["weight"]["method"] = "minmax"
+            if step["type"] == "iter_smooth":
+                step["search"] = False
     practice["spec"]["process"] = (extra_process or []) + practice["spec"]["process"]
     dest.write_text(yaml.safe_dump(practice, sort_keys=False))
     return dest
