@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
-from msmodelslim.core.runner.requests import Observe, Reduce
+from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.globs import selected
@@ -281,16 +282,16 @@ class IterSmoothProcessor(Processor):
         if token_ranges:
             reps = tuple(token_ranges)
             stats = yield Observe(hessian=reps, token_ranges=token_ranges, ranges={n: absmax[n] for n in reps})
-        errors: dict[int, torch.Tensor] = {}
-        for i in range(len(subgraphs)):
-            per_reader = []
-            for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert):
-                h, r = stats.hessian[group[0]], stats.token_ranges[group[0]]
-                for t in group:
-                    scheme, w = readers[i][t], modules[t].weight.data
-                    per_reader.append([modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act)
-                                       for c, s in enumerate(candidates[i])])
-            errors[i] = torch.tensor(per_reader, dtype=torch.float64).reshape(-1, len(candidates[i]))
+        jobs = []  # the error model is the heavy part: replicated subgraphs are spread over the ranks
+        for i, sg in enumerate(subgraphs):
+            rows = [(modules[t].weight.data, readers[i][t], stats.hessian[group[0]], stats.token_ranges[group[0]])
+                    for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert) for t in group]
+            cost = len(candidates[i]) * sum(w.numel() * w.shape[-1] for w, *_ in rows)
+            local = sg.across_ranks or any(ctx.adapter.is_expert(t) for t in readers[i])
+            jobs.append(Job(str(i), cost, partial(_candidate_errors, rows, candidates[i]),
+                            outputs={"errors": ((len(rows), len(candidates[i])), torch.float64)}, local=local))
+        results = yield Jobs(jobs)
+        errors = {i: results[str(i)]["errors"] for i in range(len(subgraphs))}
         shared = [i for i, sg in enumerate(subgraphs) if sg.across_ranks]
         totals = {i: errors[i].sum(dim=0) for i in errors}
         if shared:  # rank-local readers: sum their errors over ranks exactly, as integers on one grid
@@ -313,6 +314,13 @@ class IterSmoothProcessor(Processor):
             {"alpha": self.config.alpha}
         return {"iter_smooth": {**strength, "scale_min": self.config.scale_min,
                                 "subgraph_types": list(self.config.enable_subgraph_type)}}
+
+
+def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"errors": [reader, candidate]} of the modelled error (rows: weight, scheme, Hessian, token ranges)."""
+    errors = [[modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act) for c, s in enumerate(candidates)]
+              for w, scheme, h, r in rows]
+    return {"errors": torch.tensor(errors, dtype=torch.float64).reshape(len(rows), len(candidates))}
 
 
 def _input_groups(readers: tuple[str, ...], is_expert: Any) -> list[tuple[str, ...]]:
