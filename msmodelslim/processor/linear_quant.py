@@ -197,7 +197,7 @@ class LinearQuantProcessor(Processor):
         scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
         if len(weights) == 1:
             w, h, n = weights[0], hessians[0], tokens[0]
-        else:  # a batch of experts: stacked, quantized by one batched GPTQ
+        else:  # a batch of one shape: stacked, quantized by one batched GPTQ
             w, h, n = torch.stack(weights), torch.stack(hessians), torch.tensor(tokens)
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
                                    hessian=h, tokens=n, gptq=weight_cfg.gptq)
