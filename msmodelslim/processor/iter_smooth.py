@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
-from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce
+from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.globs import selected
@@ -268,6 +268,7 @@ class IterSmoothProcessor(Processor):
         candidates: dict[int, list[torch.Tensor]] = {}  # subgraph -> full-width scales, "none" first
         token_ranges: dict[str, torch.Tensor] = {}
         readers: dict[int, dict[str, Any]] = {}
+        groups: dict[int, list[tuple[str, ...]]] = {}  # readers of one input; the first one is measured
         for i, sg in enumerate(subgraphs):
             x_max, w_max, _ = yield from self._reduced_statistics(ctx, sg, modules, absmax)
             readers[i] = self._reader_schemes(ctx, sg)
@@ -275,17 +276,19 @@ class IterSmoothProcessor(Processor):
             candidates[i] = [ones] + [self._scale(sg, x_max, w_max, a).repeat(sg.heads)
                                       for a in self.config.search_alphas]
             inv = 1.0 / torch.stack(candidates[i])
-            for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert):
+            groups[i] = _input_groups(tuple(readers[i]), ctx.adapter.is_expert)
+            for group in groups[i]:
                 if group[0] in token_ranges:
                     raise ValueError(f"unit {ctx.unit.name}: {group[0]} reads two smoothing subgraphs")
                 token_ranges[group[0]] = inv
+        stats = Stats()
         if token_ranges:
             reps = tuple(token_ranges)
             stats = yield Observe(hessian=reps, token_ranges=token_ranges, ranges={n: absmax[n] for n in reps})
         jobs = []  # the error model is the heavy part: replicated subgraphs are spread over the ranks
         for i, sg in enumerate(subgraphs):
             rows = [(modules[t].weight.data, readers[i][t], stats.hessian[group[0]], stats.token_ranges[group[0]])
-                    for group in _input_groups(tuple(readers[i]), ctx.adapter.is_expert) for t in group]
+                    for group in groups[i] for t in group]
             cost = len(candidates[i]) * sum(w.numel() * w.shape[-1] for w, *_ in rows)
             local = sg.across_ranks or any(ctx.adapter.is_expert(t) for t in readers[i])
             jobs.append(Job(str(i), cost, partial(_candidate_errors, rows, candidates[i]),
