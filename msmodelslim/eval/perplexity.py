@@ -4,7 +4,9 @@ Never holds more than one unit: for each unit in order, the original unit is loa
 run over every window's hidden state, freed, then the same unit is loaded from the AscendV1 output (dequantised
 weights) with every linear described as W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC replaced by a `QuantLinear`
 built from the STORED integers and scales (per-token activation quantization, online rotation if stored), so the
-quantized pass computes what the runtime computes. The `head` unit's logits give the NLL of each window's next
+quantized pass computes what the runtime computes. Attentions the output quantizes (`<attention>.quant_type`) get
+their FA3 points from the adapter and quantizers from the stored scales (`install_attention_quantizers`). The
+`head` unit's logits give the NLL of each window's next
 tokens (fp32 log-softmax); ppl = exp(mean NLL over all predicted tokens). Vision units are skipped (text only).
 """
 
@@ -27,6 +29,7 @@ from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.quant.attention import install_quantizers
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class EvalResult:
     windows: int
     tokens: int  # predicted tokens (windows * (seq_len - 1))
     quantized_linears: int  # linears simulated with stored integers (every quantized linear of the output)
+    quantized_attentions: int = 0  # attentions simulated with their stored FA3 points
 
 
 class RotatedLinear(nn.Module):
@@ -100,6 +104,23 @@ def wrap_quantized_linears(adapter: ModelAdapter, unit: Unit, module: nn.Module,
     return replaced
 
 
+def install_attention_quantizers(adapter: ModelAdapter, unit: Unit, module: nn.Module,
+                                 reader: AscendV1Reader) -> list[str]:
+    """Quantize the unit's attentions that the output describes (`<attention>.quant_type`) as stored; returns
+    their checkpoint names."""
+    if not reader.attention_types:
+        return []
+    wanted = set(reader.attention_types)
+    live = adapter.inject_fa3_placeholders(unit, module, lambda name: name in wanted)
+    device = next(module.parameters()).device
+    names = []
+    for live_name in live:
+        ckpt = adapter.checkpoint_name(unit, live_name)
+        install_quantizers(module.get_submodule(live_name), reader.attention_points(ckpt, device))
+        names.append(ckpt)
+    return names
+
+
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
     """Sum of -log p(next token) over a window (fp32 log-softmax, float64 sum) and the number of predictions."""
     logits = logits[0, :-1].float()
@@ -123,6 +144,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     nll = {v: 0.0 for v in variants}
     count = {v: 0 for v in variants}
     simulated: set[str] = set()
+    attentions: set[str] = set()
     for unit in adapter.units():
         if unit.kind == "vision":
             continue
@@ -131,6 +153,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             module = adapter.load_unit(unit, device, reader=unit_reader)
             if unit_reader is not None:
                 simulated.update(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
+                attentions.update(install_attention_quantizers(adapter, unit, module, unit_reader))
             out = _run(adapter, unit, module, states[variant])
             adapter.free_unit(unit, module)
             if unit.kind == "head":
@@ -148,10 +171,15 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
                          f"an nn.Linear of any text unit of {type(adapter).__name__}; it cannot be simulated")
+    unmatched = sorted(set(reader.attention_types) - attentions)
+    if unmatched:
+        raise UserError(f"{reader.out_dir}: quantized attention {unmatched[0]!r} (and {len(unmatched) - 1} more) is "
+                         f"no attention with FA3 points of any text unit of {type(adapter).__name__}")
     ppl = {v: math.exp(nll[v] / count[v]) for v in variants}
-    logger.info("eval: %d quantized linears simulated", len(simulated))
+    logger.info("eval: %d quantized linears and %d quantized attentions simulated", len(simulated), len(attentions))
     return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
-                      windows=len(windows), tokens=count["orig"], quantized_linears=len(simulated))
+                      windows=len(windows), tokens=count["orig"], quantized_linears=len(simulated),
+                      quantized_attentions=len(attentions))
 
 
 def check_same_source(model_path: str | Path, reader: AscendV1Reader) -> None:

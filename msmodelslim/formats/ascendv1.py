@@ -11,12 +11,20 @@ Per quantized linear X (types W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC; symmet
     X.weight_scale   float32 [out, 1];  X.weight_offset float32 zeros [out, 1]
     X.scale_bias     (int4 weights) float32 [out, 1], or [out, 16] for row-parallel linears (w2/down_proj/o_proj)
     X.bias, X.online_rotation   when the linear has them
+Per quantized attention A (fa3_quant; msModelSlim 26.1.0's layout, vllm-ascend 0.23's FAKQuant reads it):
+    A.fa_{q,k,v}.scale   float32 [heads, 1] (fa_q: the attention's heads; fa_k / fa_v: the one latent cache), and
+    A.fa_{q,k,v}.offset  zeros [heads, 1], int8 for int8 points, float32 for fp8 ones: both described "FAQuant",
+                         written for the points quantized per head (static); a per-token point has no tensor
+    "A.quant_type"       what each point is: INT8 / FP8 per group of points, `_DYNAMIC` for per token, the points
+                         named unless all of Q, K, V agree (`INT8`, `Q_FP8_DYNAMIC_KV_FP8`)
+    "fa_quant_type": "FAKQuant" at the top level when some point is per head (vllm-ascend enables FA quant on it).
 Everything else is FLOAT (written in the source checkpoint's dtype).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from msmodelslim.errors import UserError
+from msmodelslim.quant.attention import FA3_BRANCHES, AttentionQuantSpec
 from msmodelslim.quant.functional import dequantize
 from msmodelslim.quant.modules import ONLINE_ROTATION, SCHEMES
 from msmodelslim.quant.packing import unpack_int4
@@ -35,9 +44,12 @@ DESCRIPTION_NAME = "quant_model_description.json"
 FORMAT_VERSION = "1.0.0"
 FLOAT = "FLOAT"
 QUANT_TYPES = tuple(SCHEMES)  # W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC
-TENSOR_TYPES = (FLOAT, *QUANT_TYPES)
+FA_TENSOR = "FAQuant"  # the type of an attention point's scale and offset
+FA_QUANT_TYPE = "FAKQuant"  # `fa_quant_type`: the attention scheme vllm-ascend registers for MLA (kv_c8.py:30)
+ATTENTION_QUANT_KEY = ".quant_type"  # `<attention>.quant_type`
+TENSOR_TYPES = (FLOAT, *QUANT_TYPES, FA_TENSOR)
 # Description keys that are not tensor names.
-HEADER_KEYS = ("model_quant_type", "version", "group_size", "metadata", "optional")
+HEADER_KEYS = ("model_quant_type", "version", "group_size", "fa_quant_type", "metadata", "optional")
 # Tensors that accompany a quantized linear's `weight` (the reader hides them from keys()).
 QUANT_AUX = ("weight_scale", "weight_offset", "scale_bias", "bias", ONLINE_ROTATION)
 DEQUANT_DTYPE = torch.bfloat16
@@ -58,6 +70,45 @@ class AscendV1Error(UserError):
     """A missing or malformed part of an AscendV1 output (the message names the file and key)."""
 
 
+_FA_DTYPE_TAGS = {"int8": "INT8", "fp8_e4m3": "FP8"}
+_FA_POINTS = {"fa_q": "Q", "fa_k": "K", "fa_v": "V"}
+_FA_PART = re.compile(r"(?:([QKV]+)_)?(INT8|FP8)(_DYNAMIC)?(?:_|$)")
+
+
+def attention_quant_type(specs: dict[str, AttentionQuantSpec]) -> str:
+    """`<attention>.quant_type` of its quantized points, as msModelSlim composes it (`update_fa_quant_type`):
+    points with one (dtype, static/dynamic) form a group, in Q, K, V order; a group of all three is unnamed."""
+    groups: dict[tuple[str, bool], str] = {}
+    for branch in FA3_BRANCHES:
+        if branch in specs:
+            key = (_FA_DTYPE_TAGS[specs[branch].dtype], not specs[branch].static)
+            groups[key] = groups.get(key, "") + _FA_POINTS[branch]
+    parts = []
+    for (tag, dynamic), points in groups.items():
+        kind = tag + ("_DYNAMIC" if dynamic else "")
+        parts.append(kind if points == "QKV" else f"{points}_{kind}")
+    return "_".join(parts)
+
+
+def parse_attention_quant_type(text: str) -> dict[str, AttentionQuantSpec]:
+    """The points of an `<attention>.quant_type` value; ValueError for one this format does not define."""
+    specs: dict[str, AttentionQuantSpec] = {}
+    pos = 0
+    while pos < len(text):
+        match = _FA_PART.match(text, pos)
+        if not match:
+            raise ValueError(f"attention quant type {text!r} is not of the form [QKV_]INT8|FP8[_DYNAMIC]...")
+        points, tag, dynamic = match.groups()
+        dtype = next(d for d, t in _FA_DTYPE_TAGS.items() if t == tag)
+        for letter in points or "QKV":
+            branch = next(b for b, p in _FA_POINTS.items() if p == letter)
+            if branch in specs:
+                raise ValueError(f"attention quant type {text!r} names {letter} twice")
+            specs[branch] = AttentionQuantSpec(dtype, "per_token" if dynamic else "per_head")
+        pos = match.end()
+    return specs
+
+
 class AscendV1Reader:
     """TensorReader over a written AscendV1 directory.
 
@@ -75,6 +126,18 @@ class AscendV1Reader:
             desc = json.load(f)
         self.header = {k: desc[k] for k in HEADER_KEYS if k in desc}
         self.description: dict[str, str] = {k: v for k, v in desc.items() if k not in HEADER_KEYS}
+        # `<fused layer>.weight` keys and the MTP drafter's aliases are for the engine's lookup and name no tensor
+        meta = self.header.get("metadata") or {}
+        self.fused_layers = {k: self.description.pop(k) for k in meta.get("fused_layers", ()) if k in self.description}
+        self.lookup_aliases = {k: self.description.pop(k) for k in meta.get("lookup_aliases", ())
+                               if k in self.description}
+        self.attention_types: dict[str, str] = {}  # attention -> its `.quant_type`
+        for key in [k for k in self.description if k.endswith(ATTENTION_QUANT_KEY)]:
+            self.attention_types[key[: -len(ATTENTION_QUANT_KEY)]] = value = self.description.pop(key)
+            try:
+                parse_attention_quant_type(value)
+            except ValueError as exc:
+                raise AscendV1Error(f"{desc_path}: {key}: {exc}") from None
         for name, qtype in self.description.items():
             if qtype not in TENSOR_TYPES:
                 raise AscendV1Error(f"{desc_path}: tensor {name!r} has unknown type {qtype!r} "
@@ -83,11 +146,6 @@ class AscendV1Reader:
         undescribed = sorted(set(self.weight_map) - set(self.description))
         if undescribed:
             raise AscendV1Error(f"{desc_path}: tensor {undescribed[0]!r} is stored but not described")
-        # `<fused layer>.weight` keys and the MTP drafter's aliases are for the engine's lookup and name no tensor
-        meta = self.header.get("metadata") or {}
-        self.fused_layers = {k: self.description.pop(k) for k in meta.get("fused_layers", ()) if k in self.description}
-        self.lookup_aliases = {k: self.description.pop(k) for k in meta.get("lookup_aliases", ())
-                               if k in self.description}
         missing = sorted(set(self.description) - set(self.weight_map))
         if missing:
             raise AscendV1Error(f"{self.out_dir}: described tensor {missing[0]!r} is in no shard")
@@ -96,8 +154,8 @@ class AscendV1Reader:
         self._quantized = {n[: -len(".weight")] for n, t in self.description.items()
                            if t in QUANT_TYPES and n.endswith(".weight")}
         hidden = {f"{lin}.{aux}" for lin in self._quantized for aux in QUANT_AUX if aux != "bias"}
-        self._keys = sorted(n for n in self.description
-                            if n not in hidden and not n.endswith("." + ONLINE_ROTATION))
+        self._keys = sorted(n for n, t in self.description.items()
+                            if n not in hidden and not n.endswith("." + ONLINE_ROTATION) and t != FA_TENSOR)
 
     def _read_weight_map(self) -> dict[str, str]:
         index_path = self.out_dir / INDEX_NAME
@@ -180,6 +238,22 @@ class AscendV1Reader:
         """The linear's runtime input rotation T (input is `x @ T^T` = F.linear(x, T)), or None."""
         name = f"{linear_name}.{ONLINE_ROTATION}"
         return self.get_stored(name, device) if name in self.weight_map else None
+
+    def attention_points(self, attention: str, device: torch.device | str = "cpu") \
+            -> dict[str, tuple[AttentionQuantSpec, torch.Tensor | None]]:
+        """branch -> (spec, stored per-head scales float32 [heads] or None for a per-token point) of a quantized
+        attention (a name in `attention_types`)."""
+        points = {}
+        for branch, spec in parse_attention_quant_type(self.attention_types[attention]).items():
+            scale = None
+            if spec.static:
+                name = f"{attention}.{branch}.scale"
+                if name not in self.weight_map:
+                    raise AscendV1Error(f"{self.out_dir}: {attention}{ATTENTION_QUANT_KEY} says {branch} is "
+                                        f"per head, but {name!r} is in no shard")
+                scale = self.get_stored(name, device).to(torch.float32).reshape(-1)
+            points[branch] = (spec, scale)
+        return points
 
     def close(self) -> None:
         self._handles.clear()

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.errors import UserError
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -119,6 +121,16 @@ class ModelAdapter(ABC):
         return False
 
     # --- algorithm maps (model knowledge as data) ------------------------------------------------------------
+    def fa3_attentions(self) -> list[str]:
+        """Checkpoint names of the attentions that have FA3 points (from the skeletons; none by default)."""
+        return []
+
+    def inject_fa3_placeholders(self, unit: Unit, module: nn.Module, should_inject: Any) -> list[str]:
+        """Put FA3 points (`fa_q`, `fa_k`, `fa_v`: quant.attention placeholders) into the unit's attentions whose
+        checkpoint name `should_inject` accepts, where the attention kernel sees Q, K and V; returns their live
+        names. Models without such points refuse fa3_quant."""
+        raise UserError(f"{type(self).__name__} has no FA3 attention points: fa3_quant cannot run on this model")
+
     def quarot_plan(self, unit: Unit, module: nn.Module) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no QuaRot plan")
 

@@ -93,8 +93,11 @@ class _Recorder:
             self.range_quanta[name] = torch.where(bound > 0, bound * bound, torch.ones_like(bound)) \
                 * 2.0 ** -TOKEN_RANGE_GRID_BITS
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (input, step, its X^T X)
+        self.head_ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hooks(self, name: str) -> list[Callable]:
+        if name in self.request.head_ranges:
+            return [self._head_range]  # a [batch, heads, seq, dim] input: not a linear's
         out = []
         if name in self.request.absmax:
             out.append(self._absmax)
@@ -137,6 +140,32 @@ class _Recorder:
         self.token_ranges[name] = sums if prev is None else prev.add_(sums)
 
 
+    def _head_range(self, name: str, x: torch.Tensor) -> None:
+        heads, ratio = self.request.head_ranges[name]
+        if x.dim() != 4 or x.shape[1] != heads:
+            raise ValueError(f"{name}: expected an input [batch, {heads}, seq, dim], got {list(x.shape)}")
+        low, high = recall_window(x.detach().transpose(0, 1).reshape(heads, -1), ratio)
+        prev = self.head_ranges.get(name)
+        self.head_ranges[name] = (low, high) if prev is None else (torch.minimum(prev[0], low),
+                                                                   torch.maximum(prev[1], high))
+
+
+def recall_window(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of x [rows, n]: the narrowest range [low, high] of sorted values that holds int(ratio * n) of
+    them (the first such window on ties), as msModelSlim's RecallWindowObserver picks it; float32 [rows] each.
+    Only the n - keep + 1 smallest and largest values can bound such a window, so two top-k's find it."""
+    x = x.float()
+    n = x.shape[1]
+    keep = int(ratio * n)
+    if keep >= n or keep < 1:
+        return x.amin(dim=1), x.amax(dim=1)
+    count = n - keep + 1
+    lows = torch.topk(x, count, dim=1, largest=False, sorted=True).values  # sorted[i], i = 0 .. n - keep
+    highs = torch.topk(x, count, dim=1, largest=True, sorted=True).values.flip(1)  # sorted[keep - 1 + i]
+    best = (highs.double() - lows.double()).argmin(dim=1, keepdim=True)
+    return lows.gather(1, best).squeeze(1), highs.gather(1, best).squeeze(1)
+
+
 def _too_many_tokens(name: str) -> str:
     return (f"{name}: more than {HESSIAN_MAX_TOKENS} calibration tokens reach this linear; its Hessian would no "
             f"longer sum exactly (lower spec.max_samples or spec.max_seq_len)")
@@ -148,7 +177,7 @@ def _width(module: nn.Module) -> int:
 
 def _record(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor]) -> _Recorder:
     modules = dict(ctx.module.named_modules())
-    names = sorted({*request.absmax, *request.hessian, *request.token_ranges})
+    names = sorted({*request.absmax, *request.hessian, *request.token_ranges, *request.head_ranges})
     missing = [n for n in names if n not in modules]
     if missing:
         raise KeyError(f"unit {ctx.unit.name}: no module named {missing[0]!r}")
@@ -157,7 +186,7 @@ def _record(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor])
 
     def make_hook(name: str, record: list[Callable]) -> Callable:
         def hook(_mod: nn.Module, args: tuple) -> None:
-            x = _flat_input(args)
+            x = args[0] if name in request.head_ranges else _flat_input(args)
             if x.numel():
                 for fn in record:
                     fn(name, x)
@@ -182,6 +211,9 @@ def _record(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor])
         recorder.tokens.setdefault(name, torch.zeros(1, dtype=torch.int64, device=device))
     for name, inv in request.token_ranges.items():
         recorder.token_ranges.setdefault(name, torch.zeros(inv.shape[0], dtype=torch.int64, device=device))
+    for name, (heads, _) in request.head_ranges.items():  # a range always holds 0 (symmetric scales read |x|)
+        zeros = torch.zeros(heads, dtype=torch.float32, device=device)
+        recorder.head_ranges.setdefault(name, (zeros, zeros.clone()))
     return recorder
 
 
@@ -214,7 +246,11 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     token_ranges = {name: counts[f"t:{name}"].double() * rec.range_quanta[name].to(ctx.device)
                     for name in request.token_ranges}
     tokens = {name: int(counts[f"n:{name}"]) for name in request.hessian}
-    return Stats(absmax=absmax, hessian=hessian, tokens=tokens, token_ranges=token_ranges)
+    bounds = {f"low:{n}": -low for n, (low, _) in rec.head_ranges.items()}
+    bounds.update({f"high:{n}": high for n, (_, high) in rec.head_ranges.items()})
+    bounds = ctx.dist.all_reduce_max(bounds)  # attention is replicated: every rank holds every head
+    head_ranges = {n: (-bounds[f"low:{n}"], bounds[f"high:{n}"]) for n in request.head_ranges}
+    return Stats(absmax=absmax, hessian=hessian, tokens=tokens, token_ranges=token_ranges, head_ranges=head_ranges)
 
 
 def reduce_tensors(dist: DistContext, request: Reduce) -> dict[str, torch.Tensor]:

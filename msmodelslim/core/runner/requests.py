@@ -32,12 +32,17 @@ class Observe:
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
       of (max_j |x_j| * inv_j)^2 (float64 [c]), the spread a per-token activation quantizer meets after the input
       is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).
+    - `head_ranges`: module -> (heads, ratio) for a module whose input is [batch, heads, seq, dim] (an attention's
+      FA3 point): per head the narrowest range [low, high] holding `ratio` of each sample's values (ratio 1:
+      min/max), then the min of the lows and the max of the highs over samples and ranks (float32 [heads] each;
+      exact in any order).
     """
 
     absmax: Sequence[str] = ()
     hessian: Sequence[str] = ()
     token_ranges: Mapping[str, torch.Tensor] = field(default_factory=dict)
     ranges: Mapping[str, torch.Tensor] | None = None
+    head_ranges: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Stats:
     hessian: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (low, high)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from msmodelslim.formats.ascendv1 import SEVERITY
 from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.model.common.utils import resolve_expert_ep_range
-from msmodelslim.model.kimi_k3 import ep_patches, runtime_patches
+from msmodelslim.model.kimi_k3 import ep_patches, fa3, runtime_patches
+from msmodelslim.quant.attention import AttentionFakeQuant
 from msmodelslim.quant.modules import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ class KimiK3ModelAdapter(ModelAdapter):
         self._ep = ep_patches.apply_ep_patches(self.model, self.text_config, dist)
         self._kernels = runtime_patches.apply_runtime_patches(
             runtime_patches.find_fla_modules(self.model), device_type=dist.device.type, force=torch_kernels_on_cuda)
+        self._fa3 = runtime_patches.PatchHandle()  # the MLA classes' absorbed forward, patched on first injection
+        self._fa3_attentions: list[str] | None = None
         self._tokenizer: Any = None
         self._processor: Any = None
         self._mask_cache: dict[int, Any] = {}
@@ -158,7 +161,8 @@ class KimiK3ModelAdapter(ModelAdapter):
         self.check_checkpoint()
 
     def close(self) -> None:
-        """Undo the runtime patches of the checkpoint's classes (EP and kernels)."""
+        """Undo the runtime patches of the checkpoint's classes (EP, kernels, the absorbed MLA forward)."""
+        self._fa3.undo()
         self._kernels.undo()
         self._ep.undo()
 
@@ -360,6 +364,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         return tensor
 
     def free_unit(self, unit: Unit, module: nn.Module) -> None:
+        fa3.remove_fa3_points(module)  # the skeleton is shared: a later load starts from the checkpoint's own module
         module.to("meta")
 
     # --- calibration data flow -------------------------------------------------------------------------------
@@ -485,6 +490,23 @@ class KimiK3ModelAdapter(ModelAdapter):
             if ep_patches.is_moe_block(block):
                 ep_patches.ep_idle(block)
 
+    def fa3_attentions(self) -> list[str]:
+        if self._fa3_attentions is None:
+            self._fa3_attentions = [self.checkpoint_name(unit, name) for unit in self._units
+                                    if unit.kind in ("decoder", "mtp")
+                                    for name, mod in self.unit_module(unit).named_modules() if fa3.is_mla(mod)]
+        return self._fa3_attentions
+
+    def inject_fa3_placeholders(self, unit: Unit, module: nn.Module, should_inject: Callable[[str], bool]) -> list[str]:
+        """FA3 placeholders (`fa_q`, `fa_k`, `fa_v`) in the unit's MLA attentions whose checkpoint name
+        `should_inject` accepts; their class then runs the absorbed MLA (model/kimi_k3/fa3.py) while the points
+        are there. Returns the live names of the attentions."""
+        if unit.kind not in ("decoder", "mtp"):
+            return []
+        return fa3.inject_fa3_placeholders(self._fa3, module,
+                                           lambda name: should_inject(self.checkpoint_name(unit, name)),
+                                           returns_weights=self.is_native)
+
     # --- saving ----------------------------------------------------------------------------------------------
     def output_config(self, config: dict[str, Any], description: dict[str, str]) -> dict[str, Any]:
         """Every source field, plus what the serving side reads from the text config:
@@ -508,6 +530,9 @@ class KimiK3ModelAdapter(ModelAdapter):
         quantized = {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
         for name, mod in quantized.items():
             yield self.checkpoint_name(unit, name), mod
+        for name, mod in module.named_modules():
+            if isinstance(mod, AttentionFakeQuant):
+                yield self.checkpoint_name(unit, name), mod
         for live_name, owner, attr, _ in _tensor_slots(module):
             owner_name = live_name.rsplit(".", 1)[0] if "." in live_name else ""
             if any(owner_name == q or owner_name.startswith(q + ".") for q in quantized):

@@ -14,6 +14,10 @@ per-channel scale [out, 1]:
       removes 8 * sum_k w_deq[o, k] again.)
   X.bias (if any) in the source dtype; X.online_rotation (if any) in its own dtype: the runtime input rotation T,
   input = x @ T^T = F.linear(x, T). All of these are described with the linear's scheme name.
+Per quantized attention point P = `<attention>.fa_{q,k,v}` (an `AttentionFakeQuant`): per head, P.scale float32
+[heads, 1] and P.offset zeros (int8 for int8, float32 for fp8), described FAQuant; per token, nothing. Every
+quantized attention gets `<attention>.quant_type`, and the header `fa_quant_type: FAKQuant` when a point is per
+head (formats/ascendv1.py; what msModelSlim 26.1.0 writes).
 FLOAT tensors (norms, router, convs, A_log, dt_bias, embeddings, lm_head, unquantized linears) are written in the
 dtype the source checkpoint stores them in (so fp32 A_log / dt_bias / e_score_correction_bias stay fp32); tensors
 the source stores as MXFP4 or does not have are written as `float_dtype` (bfloat16).
@@ -44,17 +48,22 @@ from torch import nn
 
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import (
+    ATTENTION_QUANT_KEY,
     DESCRIPTION_NAME,
+    FA_QUANT_TYPE,
+    FA_TENSOR,
     FLOAT,
     FORMAT_VERSION,
     INDEX_NAME,
     SEVERITY,
+    attention_quant_type,
     is_int4,
     shard_name,
 )
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.base import Unit
 from msmodelslim.processor.save.base import Saver, SaverConfig, register_saver
+from msmodelslim.quant.attention import AttentionFakeQuant, AttentionQuantSpec
 from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear
 from msmodelslim.quant.packing import pack_int4
 
@@ -106,7 +115,7 @@ def model_quant_type(types: set[str]) -> str:
     reads the key)."""
     if {"W4A8_DYNAMIC", "W8A8_DYNAMIC"} <= types:
         return "W8A8_DYNAMIC"
-    return max(types or {FLOAT}, key=lambda t: SEVERITY[t])
+    return max((types & set(SEVERITY)) or {FLOAT}, key=lambda t: SEVERITY[t])
 
 
 def source_float_dtypes(adapter: Any) -> dict[str, torch.dtype]:
@@ -215,6 +224,7 @@ class AscendV1Saver(Saver):
         self._pending_bytes = 0
         self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
         self._description: dict[str, str] = {}
+        self._attention: dict[str, dict[str, list[str]]] = {}  # attention -> point -> [dtype, scope]
         self._finalized = False
 
     # --- per unit --------------------------------------------------------------------------------------------
@@ -229,11 +239,22 @@ class AscendV1Saver(Saver):
                 for tname, tensor in self._quant_tensors(name, obj).items():
                     # a bias stays float at run time: FLOAT, as msModelSlim describes it
                     self._add(tname, tensor, FLOAT if tname.endswith(".bias") else obj.scheme.name)
+            elif isinstance(obj, AttentionFakeQuant):
+                self._add_attention_point(name, obj)
             elif isinstance(obj, torch.Tensor):
                 self._add(name, self._float_tensor(name, obj), FLOAT)
             else:
                 raise TypeError(f"unit {unit.name}: checkpoint_state yielded {type(obj).__name__} for {name!r}; "
-                                f"expected a Tensor or a QuantLinear")
+                                f"expected a Tensor, a QuantLinear or an AttentionFakeQuant")
+
+    def _add_attention_point(self, name: str, point: AttentionFakeQuant) -> None:
+        attention, branch = name.rsplit(".", 1)
+        self._attention.setdefault(attention, {})[branch] = [point.spec.dtype, point.spec.scope]
+        if point.spec.static:
+            scale = point.scale.to(torch.float32).reshape(-1, 1)
+            offset_dtype = torch.int8 if point.spec.dtype == "int8" else torch.float32
+            self._add(f"{name}.scale", scale, FA_TENSOR)
+            self._add(f"{name}.offset", torch.zeros_like(scale, dtype=offset_dtype), FA_TENSOR)
 
     def _float_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_meta:
@@ -299,7 +320,8 @@ class AscendV1Saver(Saver):
             raise RuntimeError("AscendV1Saver finished twice")
         self._finalized = True
         self._flush()
-        partial = {"rank": self.dist.rank, "files": self._files, "description": self._description}
+        partial = {"rank": self.dist.rank, "files": self._files, "description": self._description,
+                   "attention": self._attention}
         with open(self.work_dir / _PARTIAL.format(rank=self.dist.rank), "w", encoding="utf-8") as f:
             json.dump(partial, f)
 
@@ -348,13 +370,20 @@ class AscendV1Saver(Saver):
                 weight_map[name] = final
                 owner[name] = rank
         description: dict[str, str] = {}
+        attention: dict[str, dict[str, list[str]]] = {}
         for p in partials:
             description.update(p["description"])
+            attention.update(p.get("attention", {}))
+        for name, points in attention.items():
+            description[name + ATTENTION_QUANT_KEY] = attention_quant_type(
+                {b: AttentionQuantSpec(*spec) for b, spec in points.items()})
         if total == 0:
             logger.warning("ascendv1_saver: no tensor was written")
         header: dict[str, Any] = {"model_quant_type": model_quant_type(set(description.values())),
                                   "version": FORMAT_VERSION}
         header["group_size"] = 0  # per-channel weights (vLLM-Ascend assumes 256 when the key is absent)
+        if FA_TENSOR in description.values():
+            header["fa_quant_type"] = FA_QUANT_TYPE
         metadata = dict(metadata or {})
         if getattr(self.adapter, "model_path", None):
             metadata["source"] = source_identity(self.adapter.model_path)  # `msmodelslim eval` checks it
