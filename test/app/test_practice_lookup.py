@@ -66,7 +66,8 @@ def test_no_match_lists_available(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "quant_type", "file"),
     [("Kimi-K3", "w4a8", "kimi_k3_w4a8.yaml"), ("Kimi-K3", "w8a8", "kimi_k3_w8a8.yaml"),
-     ("Kimi-Linear", "w4a8", "kimi_linear_w4a8.yaml"), ("Kimi-Linear", "w8a8", "kimi_linear_w8a8.yaml")],
+     ("Kimi-Linear", "w4a8", "kimi_linear_w4a8.yaml"), ("Kimi-Linear", "w8a8", "kimi_linear_w8a8.yaml"),
+     ("Kimi-K3", "w4a8c8", "kimi_k3_w4a8c8.yaml"), ("Kimi-Linear", "W4A8C8", "kimi_linear_w4a8c8.yaml")],
 )
 def test_shipped_lookup(model_type, quant_type, file):
     assert find_practice(model_type, quant_type, "kimi_k3") == resource_path("lab_practice") / "kimi_k3" / file
@@ -81,11 +82,12 @@ def test_shipped_practices_validate_against_the_real_processors(path):
     from msmodelslim.core.config import load_practice
 
     practice = load_practice(path)  # the real PROCESSORS / SAVERS, filled by msmodelslim.processor.catalog
-    assert practice.quant_type in ("w4a8", "w8a8", "w4a4")
+    assert practice.quant_type in ("w4a8", "w8a8", "w4a4", "w4a8c8")
     expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.verified_model_types \
         else "modelslim_v1"
     assert practice.apiversion == expected_api
-    assert [e.type for e in practice.spec.process][-1] == "linear_quant"
+    types = [e.type for e in practice.spec.process]
+    assert set(types[types.index("linear_quant"):]) <= {"linear_quant", "fa3_quant"}  # float transforms first
     if path.parent.name == "recipes":
         assert practice.metadata.score == 0
 

@@ -1,6 +1,7 @@
-"""Our W4A8 / W8A8 outputs of kimi-linear-mini and of a tiny Kimi-K3, made with the shipped practices (fewer,
+"""Our W4A8C8 / W8A8 outputs of kimi-linear-mini and of a tiny Kimi-K3, made with the shipped practices (fewer,
 shorter calibration samples; min/max weights instead of GPTQ, which changes no name, scheme or layout): what the
-consumer tests and bench/lookup.py hand to vllm-ascend."""
+consumer tests and bench/lookup.py hand to vllm-ascend. W4A8C8 is the W4A8 practice plus fa3_quant: its linears
+are the W4A8 output's, and its MLA attentions carry the FA3 tensors."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def build_outputs(root: Path, tiny_k3: Path) -> dict[tuple[str, str], Path]:
                                           ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
         if not (path / "config.json").is_file():
             continue
-        for quant_type in ("w4a8", "w8a8"):
+        for quant_type in ("w4a8c8", "w8a8"):
             practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
                                          max_samples=2, max_seq_len=64, plain_numerics=True)
             out = root / f"{model}_{quant_type}"

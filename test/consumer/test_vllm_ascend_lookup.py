@@ -84,13 +84,13 @@ def lookup_failures(vllm_ascend, out: Path, spec: dict) -> tuple[int, list[str]]
 
 @pytest.mark.skipif(not (MINI / "config.json").is_file(), reason=f"{MINI} not available")
 @pytest.mark.parametrize("spec", [V023, V033], ids=["vllm0.23", "vllm0.33"])
-@pytest.mark.parametrize("quant_type", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("quant_type", ["w4a8c8", "w8a8"])
 def test_every_kimi_linear_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, spec, quant_type):
     count, failures = lookup_failures(vllm_ascend, outputs[("mini", quant_type)], spec)
     assert count > 50 and failures == [], "\n".join(failures)
 
 
-@pytest.mark.parametrize("quant_type", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("quant_type", ["w4a8c8", "w8a8"])
 def test_every_tiny_kimi_k3_text_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, quant_type):
     # the stand-in follows vLLM 0.33's Kimi-K3 (latent MoE, q-LoRA MLA with the output gate, full-rank KDA gate)
     count, failures = lookup_failures(vllm_ascend, outputs[("tiny_k3", quant_type)], V033)
@@ -115,7 +115,7 @@ def mtp_drafter_layers(spec: dict, text: dict) -> list[tuple[str, str, str]]:
 def test_every_kimi_k3_mtp_drafter_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, packed):
     # The drafter's model class may or may not declare KimiLinearModel's packed modules (not checked against the
     # wheel): both are looked up, as vllm-ascend runs it for model_type kimi_k3_mtp (config/speculative.py:785-793).
-    out = outputs[("tiny_k3", "w4a8")]
+    out = outputs[("tiny_k3", "w4a8c8")]
     description = json.loads((out / "quant_model_description.json").read_text())
     text = json.loads((out / "config.json").read_text())["text_config"]
     config = vllm_ascend.AscendModelSlimConfig(dict(description))

@@ -44,7 +44,7 @@ def _first_moe(description: dict) -> str:
 
 
 def test_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(vllm_ascend, outputs, npu_is_cpu):
-    out = outputs[("mini", "w4a8")] if ("mini", "w4a8") in outputs else outputs[("tiny_k3", "w4a8")]
+    out = outputs[("mini", "w4a8c8")] if ("mini", "w4a8c8") in outputs else outputs[("tiny_k3", "w4a8c8")]
     reader = AscendV1Reader(out)
     description = json.loads((out / "quant_model_description.json").read_text())
     moe = _first_moe(description)
@@ -86,7 +86,7 @@ def test_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(vllm_ascend
         assert torch.equal(q2[i].to(torch.float32) * scale2[i][:, None], ours)
 
 
-@pytest.mark.parametrize("quant_type", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("quant_type", ["w4a8c8", "w8a8"])
 def test_w8a8_linear_after_loading_equals_our_dequantised_weight(vllm_ascend, outputs, quant_type):
     # the engine holds W8A8 scales in the model dtype (bf16): equality is exact only because we quantized
     # against the bf16 value of each scale

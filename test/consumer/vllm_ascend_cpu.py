@@ -163,12 +163,14 @@ class MoECommType(Enum):
 _VLLM_CONFIG: dict[str, Any] = {"cfg": None}
 
 
-def set_vllm_config(model_type: str, quant_config: Any = None, expert_parallel: bool = True) -> None:
-    """What `get_current_vllm_config()` returns: the served model's type (top-level hf_config.model_type)."""
+def set_vllm_config(model_type: str, quant_config: Any = None, expert_parallel: bool = True, kv_lora_rank: int = 0,
+                    qk_rope_head_dim: int = 0) -> None:
+    """What `get_current_vllm_config()` returns: the served model's type (top-level hf_config.model_type) and,
+    for the FA-quant scheme, its MLA sizes."""
     _VLLM_CONFIG["cfg"] = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type, kv_lora_rank=0,
-                                                               qk_rope_head_dim=0),
-                                     dtype=torch.bfloat16, enforce_eager=True, use_mla=False),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type, kv_lora_rank=kv_lora_rank,
+                                                               qk_rope_head_dim=qk_rope_head_dim),
+                                     dtype=torch.bfloat16, enforce_eager=True, use_mla=kv_lora_rank > 0),
         quant_config=quant_config, parallel_config=SimpleNamespace(enable_expert_parallel=expert_parallel),
         compilation_config=SimpleNamespace(mode=0), kv_transfer_config=None)
 

@@ -17,7 +17,7 @@ import torch
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core.quant_service import split_samples
 
-from .dp_helpers import REPO, assert_same_bytes, shrunken_practice
+from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
 SHARED = REPO.parent / "shared"
 MINI = SHARED / "models" / "kimi-linear-mini"
@@ -33,10 +33,16 @@ def _quant(model: Path, out: Path, device: str, model_type: str, practice: Path)
                     config_path=str(practice), trust_remote_code=True))
 
 
+def _quantized_attentions(out: Path) -> int:
+    return sum(k.endswith(".fa_k.scale") for k in read_output(out)[1])
+
+
 def test_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path: Path):
-    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml", tmp_path / "p.yaml",
+    # the W4A8C8 practice: the W4A8 one plus fa3_quant, whose per-head ranges are reduced over ranks too
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8c8.yaml", tmp_path / "p.yaml",
                                  max_samples=5, max_seq_len=96)
     _quant(tiny_k3, tmp_path / "one", "cpu", "Kimi-K3", practice)
+    assert _quantized_attentions(tmp_path / "one") > 0
     for devices in ("cpu:0,1", "cpu:0,1,2,3"):
         out = tmp_path / devices.replace(":", "_").replace(",", "")
         _quant(tiny_k3, out, devices, "Kimi-K3", practice)
@@ -45,9 +51,10 @@ def test_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path:
 
 @pytest.mark.skipif(not MINI.is_dir(), reason="needs ../shared/models/kimi-linear-mini")
 def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path):
-    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8.yaml", tmp_path / "p.yaml",
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8c8.yaml", tmp_path / "p.yaml",
                                  max_samples=3, max_seq_len=64)
     _quant(MINI, tmp_path / "one", "cpu", "Kimi-Linear", practice)
+    assert _quantized_attentions(tmp_path / "one") > 0
     _quant(MINI, tmp_path / "two", "cpu:0,1", "Kimi-Linear", practice)
     assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
 
