@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,9 @@ from common import BENCH_OUT, ROOT, SHARED, machine, print_result  # noqa: E402
 RECIPES = ROOT / "lab_practice" / "kimi_k3" / "recipes"
 
 
-def msmodelslim(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", *args], check=True, capture_output=True, text=True)
+def msmodelslim(*args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", *args], check=True, capture_output=True,
+                          text=True, env=None if env is None else {**os.environ, **env})
     return done.stdout
 
 
@@ -45,10 +47,13 @@ def main() -> None:
         parser.error(f"--recipe {args.recipe}: no {practice}")
     out = BENCH_OUT / f"accuracy-{Path(args.model).name}-{args.recipe}"
     shutil.rmtree(out, ignore_errors=True)
+    stats_file = BENCH_OUT / f"accuracy-{args.recipe}.stats"
     start = time.perf_counter()
     msmodelslim("quant", "--model_path", args.model, "--save_path", str(out), "--device", args.device,
-                "--model_type", args.model_type, "--config_path", str(practice), "--trust_remote_code", "True")
+                "--model_type", args.model_type, "--config_path", str(practice), "--trust_remote_code", "True",
+                env={"MSMODELSLIM_STATS_FILE": str(stats_file)})
     quant_s = time.perf_counter() - start
+    stages = json.loads(Path(f"{stats_file}.rank0").read_text())  # seconds per runner stage and processor
     start = time.perf_counter()
     line = msmodelslim("eval", "--model_path", args.model, "--quant_path", str(out), "--dataset", args.dataset,
                        "--device", args.device, "--seq-len", str(args.seq_len), "--max-windows", str(args.windows),
@@ -59,6 +64,7 @@ def main() -> None:
         "machine": machine(), "windows": result["windows"], "tokens": result["tokens"],
         "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
         "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
+        "process_s": {k.split(".", 1)[1]: round(v, 1) for k, v in sorted(stages.items()) if k.startswith("process.")},
         "eval_s": round(time.perf_counter() - start, 1),
     })
 
