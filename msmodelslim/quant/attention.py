@@ -45,10 +45,12 @@ class AttentionQuantSpec:
 
 def head_scales(low: torch.Tensor, high: torch.Tensor, spec: AttentionQuantSpec) -> torch.Tensor:
     """Symmetric per-head scales [heads] from each head's calibration range [low, high], as msModelSlim
-    computes them (`ir/api/impl/int_quantization.py`, `fp_quantization.py`)."""
+    computes them (`ir/api/impl/int_quantization.py`, `fp_quantization.py`), rounded to bfloat16 values (float32
+    [heads]): vllm-ascend holds them in the model dtype (kv_c8.py `create_weights`), so that is the scale the
+    kernel uses, and msModelSlim's saved scales are bf16 values too."""
     amax = torch.maximum(low.double().neg().clamp(min=0), high.double().clamp(min=0))
     floor = _EPS if spec.dtype == "int8" else _FP8_EPS
-    return (amax / spec.bound).clamp(min=floor).float()
+    return (amax / spec.bound).clamp(min=floor).to(torch.bfloat16).float()
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: AttnDType) -> torch.Tensor:

@@ -85,10 +85,15 @@ def test_head_ranges_are_per_sample_windows_combined_by_min_and_max_in_any_order
         assert all(torch.equal(a, b) for a, b in zip(stats[name], shuffled[name]))
 
 
-def test_scales_are_msmodelslims_symmetric_rule():
+def test_scales_are_msmodelslims_symmetric_rule_in_bfloat16_values():
+    # msModelSlim's saved scales are bf16(max(|low|, |high|) / bound): the dtype vllm-ascend holds them in
     low, high = torch.tensor([-3.0, -0.5, 0.0]), torch.tensor([1.0, 2.0, 0.0])
-    assert torch.allclose(head_scales(low, high, INT8), torch.tensor([3 / 127, 2 / 127, torch.finfo().eps]))
-    assert torch.allclose(head_scales(low, high, FP8), torch.tensor([3 / 448, 2 / 448, 1e-12]))
+
+    def bf16(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64).to(torch.bfloat16).float()
+
+    assert torch.equal(head_scales(low, high, INT8), bf16([3 / 127, 2 / 127, torch.finfo().eps]))
+    assert torch.equal(head_scales(low, high, FP8), bf16([3 / 448, 2 / 448, 1e-12]))
 
 
 def test_int8_per_head_rounds_each_head_to_its_grid():

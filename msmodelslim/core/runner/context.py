@@ -248,7 +248,8 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     tokens = {name: int(counts[f"n:{name}"]) for name in request.hessian}
     bounds = {f"low:{n}": -low for n, (low, _) in rec.head_ranges.items()}
     bounds.update({f"high:{n}": high for n, (_, high) in rec.head_ranges.items()})
-    bounds = ctx.dist.all_reduce_max(bounds)  # attention is replicated: every rank holds every head
+    if bounds:  # attention is replicated: every rank holds every head
+        bounds = ctx.dist.all_reduce_max(bounds)
     head_ranges = {n: (-bounds[f"low:{n}"], bounds[f"high:{n}"]) for n in request.head_ranges}
     return Stats(absmax=absmax, hessian=hessian, tokens=tokens, token_ranges=token_ranges, head_ranges=head_ranges)
 

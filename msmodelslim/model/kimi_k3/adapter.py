@@ -21,7 +21,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.errors import UserError
-from msmodelslim.formats.ascendv1 import SEVERITY
+from msmodelslim.formats.ascendv1 import FA_TENSOR, SEVERITY
 from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.model.common.utils import resolve_expert_ep_range
@@ -559,7 +559,8 @@ _MLA_LINEARS = re.compile(r"\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_wit
 
 def _quantize_flags(description: dict[str, str]) -> dict[str, str]:
     """msModelSlim's config.json summary of a W4A8 mix: routed experts (`moe_quantize`), MLA linears of layers that
-    have `kv_a_proj_with_mqa` (`mla_quantize`), every other quantized linear (`quantize`)."""
+    have `kv_a_proj_with_mqa` (`mla_quantize`; `w8a8` once attention is quantized per head, as msModelSlim's
+    kimi_k2 / deepseek_v3 adapters write it for W4A8C8), every other quantized linear (`quantize`)."""
     quantized = {n: t for n, t in description.items() if t != "FLOAT" and n.endswith(".weight")}
     mla_layers = {n.split(".self_attn.")[0] for n in quantized if n.endswith(".kv_a_proj_with_mqa.weight")}
     groups: dict[str, set[str]] = {"moe_quantize": set(), "mla_quantize": set(), "quantize": set()}
@@ -572,7 +573,10 @@ def _quantize_flags(description: dict[str, str]) -> dict[str, str]:
             groups["quantize"].add(scheme)
     if "W4A8_DYNAMIC" not in groups["moe_quantize"]:
         return {}  # msModelSlim writes them only for a W4A8 mix, and the engine's defaults fit the rest
-    return {key: max(s, key=lambda t: SEVERITY[t]).lower() for key, s in groups.items() if s}
+    flags = {key: max(s, key=lambda t: SEVERITY[t]).lower() for key, s in groups.items() if s}
+    if "mla_quantize" in flags and FA_TENSOR in description.values():
+        flags["mla_quantize"] = "w8a8"
+    return flags
 
 
 def _one_line(exc: BaseException) -> str:
