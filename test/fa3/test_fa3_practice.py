@@ -56,3 +56,27 @@ def test_a_plan_vllm_ascend_cannot_read_is_a_schema_error(tmp_path, entry, messa
     with pytest.raises(PracticeError, match="fa3_quant|spec.process") as err:
         load_practice(_with_fa3(tmp_path, entry))
     assert message in str(err.value)
+
+
+class _Attentions:
+    """What preflight asks an adapter: the checkpoint names of its attentions with FA3 points."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def fa3_attentions(self) -> list[str]:
+        return self.names
+
+
+@pytest.mark.parametrize("names, exclude, message", [
+    (["model.layers.3.self_attn", "model.layers.7.self_attn"], ["*.layers.*"],
+     r"fa3_quant: include \['\*'\] / exclude \['\*\.layers\.\*'\] match none of the model's 2 attentions"),
+    ([], [], r"fa3_quant: _Attentions has no attention with FA3 points"),
+])
+def test_a_plan_that_quantizes_no_attention_is_refused_before_any_compute(names, exclude, message):
+    from msmodelslim.errors import UserError
+    from msmodelslim.processor.fa3_quant import FA3QuantConfig, FA3QuantProcessor
+
+    adapter = _Attentions(names)
+    with pytest.raises(UserError, match=message):
+        FA3QuantProcessor(FA3QuantConfig.build(exclude=exclude), adapter).preflight(adapter, {})
