@@ -86,3 +86,36 @@ def test_fa3_entries_are_msmodelslims(tmp_path, run):
     assert not {"kv_cache_type", "kv_quant_type"} & set(description)
     offsets = [t for n, t in _relative(tensors, attention).items() if n.endswith(".offset")]
     assert offsets and all(not t.any() for t in offsets)
+
+
+def _out_dir(tmp_path: Path) -> Path:
+    _ours(tmp_path, PRACTICES["int8_per_head"])
+    return tmp_path / "out"
+
+
+def test_the_reader_serves_the_points_as_written(tmp_path):
+    from msmodelslim.formats.ascendv1 import AscendV1Reader
+
+    reader = AscendV1Reader(_out_dir(tmp_path))
+    attention = UNIT.prefix + "self_attn"
+    assert reader.attention_types == {attention: "INT8"}
+    points = reader.attention_points(attention)
+    assert points["fa_q"][0] == INT8 and torch.equal(points["fa_q"][1], torch.linspace(0.01, 0.02, HEADS))
+    assert points["fa_k"][0] == INT8 and points["fa_k"][1].shape == (1,)
+    assert not any(".fa_" in k for k in reader.keys())  # not model tensors: load_unit never sees them
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d, a: d.__setitem__(a + ".quant_type", "INT4"), r"self_attn\.quant_type: attention quant type 'INT4'"),
+    (lambda d, a: d.__setitem__(a + ".fa_q.scale", "FAQuantum"), r"has unknown type 'FAQuantum'"),
+])
+def test_a_malformed_attention_entry_is_an_error_naming_it(tmp_path, edit, message):
+    from msmodelslim.formats.ascendv1 import AscendV1Error, AscendV1Reader
+
+    out = _out_dir(tmp_path)
+    path = out / "quant_model_description.json"
+    description = json.loads(path.read_text())
+    edit(description, UNIT.prefix + "self_attn")
+    path.write_text(json.dumps(description))
+    with pytest.raises(AscendV1Error, match=message):
+        AscendV1Reader(out)

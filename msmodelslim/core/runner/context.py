@@ -139,7 +139,6 @@ class _Recorder:
         prev = self.token_ranges.get(name)
         self.token_ranges[name] = sums if prev is None else prev.add_(sums)
 
-
     def _head_range(self, name: str, x: torch.Tensor) -> None:
         heads, ratio = self.request.head_ranges[name]
         if x.dim() != 4 or x.shape[1] != heads:
