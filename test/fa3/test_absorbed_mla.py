@@ -115,3 +115,18 @@ def test_quantized_points_change_the_output_by_int8_rounding_only(native_mla):
         assert isinstance(native_mla.fa_k, AttentionFakeQuant) and native_mla.fa_v.observe_only
         out, _ = native_mla(x, attention_mask=None)
         assert 1e-4 < _close(out, expected) < 0.05
+
+
+def test_the_absorbed_form_in_bfloat16_is_as_accurate_as_the_models_own(standin_mla):
+    """Reference: the own forward in float64. The absorbed bf16 forward (what calibration and eval run) may
+    round differently from the own bf16 forward, but not worse: error at most 1.25x the own one's."""
+    import copy
+
+    x = torch.randn(1, 64, standin_mla.hidden_size, generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(standin_mla).double()(x.double())
+    attn = copy.deepcopy(standin_mla).to(torch.bfloat16)
+    own = attn(x.bfloat16()).double()
+    with _points(attn, returns_weights=False):
+        absorbed = attn(x.bfloat16()).double()
+    err = {name: float((out - ref).norm() / ref.norm()) for name, out in (("own", own), ("absorbed", absorbed))}
+    assert 0 < err["absorbed"] <= 1.25 * err["own"], err
