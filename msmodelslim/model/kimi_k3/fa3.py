@@ -2,7 +2,7 @@
 
 The kernel never expands the latent cache into per-head keys and values (vllm-ascend 0.23 `attention/mla_v1.py`):
 - Q: the query's no-position part absorbed into the latent space, q_nope @ W_uk -> [batch, heads, seq, kv_lora_rank]
-  (`fa_q`; the kernel feeds it with its own scale per token and head, `query_quant_mode` 3);
+  (`fa_q`; vllm-ascend 0.23 quantizes it at run time, `query_quant_mode` 3);
 - K: the normalized latent kv_a_layernorm(kv) [batch, 1, seq, kv_lora_rank] is the cache (`fa_k`; int8 on A2/A3
   with fa_k's scale, `quant_kscale`); the rope part k_pe stays in the model dtype;
 - V: the same latent cache, dequantized with fa_k's scale too (`dequant_scale_value`); `fa_v` observes it.
