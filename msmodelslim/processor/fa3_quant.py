@@ -30,6 +30,7 @@ from typing import Literal
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.core.runner.requests import Observe
 from msmodelslim.errors import UserError
+from msmodelslim.formats.ascendv1 import attention_quant_type
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.globs import selected
 from msmodelslim.quant.attention import FA3_BRANCHES, AttentionQuantSpec, head_scales, install_quantizers
@@ -119,3 +120,5 @@ class FA3QuantProcessor(Processor):
                     logger.debug("%s %s: %s scale %s", ctx.unit.name, name, spec.dtype,
                                  [round(float(s), 6) for s in scale[:4]])
             install_quantizers(ctx.module.get_submodule(attention), points)
+        logger.info("fa3_quant %s: %s quantized %d attention(s)", attention_quant_type(specs), ctx.unit.name,
+                    len(attentions))
