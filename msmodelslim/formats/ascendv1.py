@@ -72,6 +72,8 @@ class AscendV1Error(UserError):
 
 _FA_DTYPE_TAGS = {"int8": "INT8", "fp8_e4m3": "FP8"}
 _FA_POINTS = {"fa_q": "Q", "fa_k": "K", "fa_v": "V"}
+_FA_DTYPES = {tag: dtype for dtype, tag in _FA_DTYPE_TAGS.items()}
+_FA_BRANCHES = {letter: branch for branch, letter in _FA_POINTS.items()}
 _FA_PART = re.compile(r"(?:([QKV]+)_)?(INT8|FP8)(_DYNAMIC)?(?:_|$)")
 
 
@@ -99,12 +101,11 @@ def parse_attention_quant_type(text: str) -> dict[str, AttentionQuantSpec]:
         if not match:
             raise ValueError(f"attention quant type {text!r} is not of the form [QKV_]INT8|FP8[_DYNAMIC]...")
         points, tag, dynamic = match.groups()
-        dtype = next(d for d, t in _FA_DTYPE_TAGS.items() if t == tag)
         for letter in points or "QKV":
-            branch = next(b for b, p in _FA_POINTS.items() if p == letter)
+            branch = _FA_BRANCHES[letter]
             if branch in specs:
                 raise ValueError(f"attention quant type {text!r} names {letter} twice")
-            specs[branch] = AttentionQuantSpec(dtype, "per_token" if dynamic else "per_head")
+            specs[branch] = AttentionQuantSpec(_FA_DTYPES[tag], "per_token" if dynamic else "per_head")
         pos = match.end()
     return specs
 

@@ -107,8 +107,11 @@ class FA3QuantProcessor(Processor):
         if not attentions:
             return
         specs = self.config.specs
-        holders = {f"{a}.{b}": ctx.module.get_submodule(f"{a}.{b}") for a in attentions for b in specs}
-        static = {name: (h.heads, h.ratio) for name, h in holders.items() if specs[name.rsplit(".", 1)[1]].static}
+        static = {}  # the per-head points: their heads and calibration share, from the adapter's placeholders
+        for attention in attentions:
+            for branch in (b for b, spec in specs.items() if spec.static):
+                holder = ctx.module.get_submodule(f"{attention}.{branch}")
+                static[f"{attention}.{branch}"] = (holder.heads, holder.ratio)
         stats = (yield Observe(head_ranges=static)) if static else None
         for attention in attentions:
             points = {}

@@ -22,8 +22,8 @@ from torch import nn
 FA3_BRANCHES = ("fa_q", "fa_k", "fa_v")
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
-_EPS = torch.finfo(torch.float32).eps  # msModelSlim's floor of an int8 scale
-_FP8_EPS = 1e-12  # and of an fp8 scale
+_EPS = torch.finfo(torch.float32).eps
+_FP8_EPS = 1e-12
 
 AttnDType = Literal["int8", "fp8_e4m3"]
 AttnScope = Literal["per_head", "per_token"]
@@ -42,6 +42,11 @@ class AttentionQuantSpec:
     def bound(self) -> float:
         return INT8_MAX if self.dtype == "int8" else FP8_E4M3_MAX
 
+    @property
+    def floor(self) -> float:
+        """The smallest scale (msModelSlim's: float32 eps for int8, 1e-12 for fp8)."""
+        return _EPS if self.dtype == "int8" else _FP8_EPS
+
 
 def head_scales(low: torch.Tensor, high: torch.Tensor, spec: AttentionQuantSpec) -> torch.Tensor:
     """Symmetric per-head scales [heads] from each head's calibration range [low, high], as msModelSlim
@@ -49,8 +54,7 @@ def head_scales(low: torch.Tensor, high: torch.Tensor, spec: AttentionQuantSpec)
     [heads]): vllm-ascend holds them in the model dtype (kv_c8.py `create_weights`), so that is the scale the
     kernel uses, and msModelSlim's saved scales are bf16 values too."""
     amax = torch.maximum(low.double().neg().clamp(min=0), high.double().clamp(min=0))
-    floor = _EPS if spec.dtype == "int8" else _FP8_EPS
-    return (amax / spec.bound).clamp(min=floor).to(torch.bfloat16).float()
+    return (amax / spec.bound).clamp(min=spec.floor).to(torch.bfloat16).float()
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: AttnDType) -> torch.Tensor:
@@ -65,8 +69,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: AttnDType) -> torch.
 
 def token_scales(x: torch.Tensor, spec: AttentionQuantSpec) -> torch.Tensor:
     """Dynamic scales [..., 1]: max |x| over the last (head) dim of each (token, head) row."""
-    floor = _EPS if spec.dtype == "int8" else _FP8_EPS
-    return (x.float().abs().amax(dim=-1, keepdim=True) / spec.bound).clamp_(min=floor)
+    return (x.float().abs().amax(dim=-1, keepdim=True) / spec.bound).clamp_(min=spec.floor)
 
 
 class FA3QuantPlaceHolder(nn.Module):
@@ -100,10 +103,6 @@ class AttentionFakeQuant(nn.Module):
         self.spec = spec
         self.observe_only = observe_only
         self.register_buffer("scale", None if scale is None else scale.float().reshape(-1), persistent=False)
-
-    @property
-    def num_heads(self) -> int | None:
-        return None if self.scale is None else self.scale.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observe_only:

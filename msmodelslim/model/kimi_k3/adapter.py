@@ -50,6 +50,7 @@ REQUIRED_VISION_FIELDS = ("patch_size", "vt_hidden_size", "vt_num_attention_head
                           "vt_num_hidden_layers", "qkv_hidden_size")
 # --model_type display name -> whether its checkpoints carry a vision tower
 MULTIMODAL_MODEL_TYPES = {"Kimi-K3": True, "Kimi-Linear": False}
+_BLOCK_KINDS = ("decoder", "mtp")  # units that hold a decoder block (attention, MLP / MoE)
 _FLOAT_STORAGE = frozenset({"BF16", "F16", "F32", "F64"})  # safetensors dtypes a float parameter may load from
 
 
@@ -221,7 +222,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         for live_prefix, ckpt_prefix in self._pieces(unit):
             if live_name.startswith(live_prefix) or live_name + "." == live_prefix:
                 rest = live_name[len(live_prefix):] if live_name.startswith(live_prefix) else ""
-                if self.is_native and unit.kind in ("decoder", "mtp"):
+                if self.is_native and unit.kind in _BLOCK_KINDS:
                     for old, new in _NATIVE_RENAMES:
                         if rest.startswith(old):
                             rest = new + rest[len(old):]
@@ -493,7 +494,7 @@ class KimiK3ModelAdapter(ModelAdapter):
     def fa3_attentions(self) -> list[str]:
         if self._fa3_attentions is None:
             self._fa3_attentions = [self.checkpoint_name(unit, name) for unit in self._units
-                                    if unit.kind in ("decoder", "mtp")
+                                    if unit.kind in _BLOCK_KINDS
                                     for name, mod in self.unit_module(unit).named_modules() if fa3.is_mla(mod)]
         return self._fa3_attentions
 
@@ -501,7 +502,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         """FA3 placeholders (`fa_q`, `fa_k`, `fa_v`) in the unit's MLA attentions whose checkpoint name
         `should_inject` accepts; their class then runs the absorbed MLA (model/kimi_k3/fa3.py) while the points
         are there. Returns the live names of the attentions."""
-        if unit.kind not in ("decoder", "mtp"):
+        if unit.kind not in _BLOCK_KINDS:
             return []
         return fa3.inject_fa3_placeholders(self._fa3, module,
                                            lambda name: should_inject(self.checkpoint_name(unit, name)),
@@ -527,11 +528,10 @@ class KimiK3ModelAdapter(ModelAdapter):
         return config
 
     def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
-        quantized = {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
-        for name, mod in quantized.items():
-            yield self.checkpoint_name(unit, name), mod
-        for name, mod in module.named_modules():
-            if isinstance(mod, AttentionFakeQuant):
+        modules = list(module.named_modules())
+        quantized = {name: m for name, m in modules if isinstance(m, QuantLinear)}
+        for name, mod in modules:
+            if isinstance(mod, (QuantLinear, AttentionFakeQuant)):
                 yield self.checkpoint_name(unit, name), mod
         for live_name, owner, attr, _ in _tensor_slots(module):
             owner_name = live_name.rsplit(".", 1)[0] if "." in live_name else ""

@@ -40,7 +40,7 @@ def has_fa3_points(module: nn.Module) -> bool:
     return all(b in module._modules for b in FA3_BRANCHES)
 
 
-def _allowed(mask: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+def _allowed(mask: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
     """SDPA's attn_mask for a prefill of `seq` tokens: causal, and the caller's mask as the model reads it -
     a 2-D padding mask [batch, seq] (the stand-in: padded keys hidden, a query always sees itself), or a 4-D
     boolean / additive mask (transformers' create_causal_mask), used as given."""
@@ -78,7 +78,7 @@ def absorbed_mla_forward(attn: nn.Module, hidden_states: torch.Tensor,
     key = torch.cat([cache, k_pe.view(bsz, 1, seq, rope)], dim=-1).expand(-1, heads, -1, -1)
     value = cache.expand(-1, heads, -1, -1)
     scale = getattr(attn, "softmax_scale", None) or attn.scaling
-    mask = _allowed(attention_mask, bsz, seq, hidden_states.device)
+    mask = _allowed(attention_mask, seq, hidden_states.device)
     out_latent = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     out = torch.matmul(out_latent, w_uv.transpose(1, 2))  # [bsz, heads, seq, v_dim]
     out = out.transpose(1, 2).reshape(bsz, seq, heads * v_dim)
