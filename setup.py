@@ -32,9 +32,12 @@ setup(
         # fla-core imports `triton` at module import time, also on CPU hosts.
         "cpu": ["triton>=3.2,<3.10"],
         "dev": ["pytest>=8,<10", "ruff==0.17.6", "triton>=3.2,<3.10"],
-        "npu": ["torch_npu"],
+        # torch_npu of the installed torch's version, and triton-ascend: fla (the checkpoint's KDA code) imports
+        # `triton` at import time; fla-core 0.6.0's own npu extra pins triton-ascend==3.6.0, which PyPI lacks
+        "npu": ["torch_npu>=2.6,<2.15", "triton-ascend"],
     },
     include_package_data=True,
-    package_data={f"msmodelslim.resources.{r}": globs for r, globs in RESOURCES.items()},
+    package_data={**{f"msmodelslim.resources.{r}": globs for r, globs in RESOURCES.items()},
+                  "msmodelslim.core": ["ascend_a2a3_rules.json"]},
     entry_points={"console_scripts": ["msmodelslim=msmodelslim.cli.main:main"]},
 )

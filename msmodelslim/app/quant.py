@@ -173,7 +173,7 @@ def _plan(args: QuantArgs) -> _Plan:
 
 
 def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
-    from msmodelslim.core import quant_service
+    from msmodelslim.core import ascend_check, quant_service
 
     request = quant_service.QuantRequest(
         model_path=plan.model_path,
@@ -185,6 +185,7 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         model_type=args.model_type,
         records=plan.records,
         orphan_cleanup=(_side_name(plan.save_path, "lock"),),
+        ascend_check=ascend_check.enabled(),
     )
     quant_service.run_service(request)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,9 @@ def _visible_count(device_type: str, text: str) -> int:
             f"--device {text!r}: npu needs torch_npu, which is not installed ({exc}); "
             "install the Ascend torch_npu wheel or use --device cuda / cpu"
         ) from None
+    if importlib.util.find_spec("triton") is None:
+        raise UserError(f"--device {text!r}: the checkpoint's fla code imports triton, which is not installed; on an "
+                        "NPU host install triton-ascend (pip install 'msmodelslim[npu]')")
     count = torch_npu.npu.device_count()
     if count == 0:
         raise UserError(f"--device {text!r}: torch_npu sees no NPU on this machine")
@@ -102,3 +106,33 @@ def parse_device(text: str) -> DeviceSpec:
                 f"{count} {device_type} device(s) visible (indices 0..{count - 1})"
             )
     return DeviceSpec(device_type, indices)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the current one of the calling thread (each rank's main and prefetch threads: a thread that
+    never sets it would place its work on device 0). On an NPU, operators run as precompiled aclnn kernels rather
+    than being compiled on first use, as msModelSlim's quant services set it (`set_compile_mode`)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device in this process)
+
+        torch.npu.set_device(device)
+        torch.npu.set_compile_mode(jit_compile=False)
+
+
+def peak_device_bytes(device: torch.device) -> int | None:
+    """The most memory torch held on `device` so far (None on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device)
+    return None
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the device (between units, whose shapes differ)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "npu":
+        torch.npu.empty_cache()

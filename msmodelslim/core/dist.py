@@ -1,4 +1,9 @@
-"""Process-group context and the few collectives the runners use (always in a fixed order)."""
+"""Process-group context and the few collectives the runners use (always in a fixed order).
+
+Collectives carry only what HCCL takes on Atlas A2/A3 (float32, bf16, fp16, int64, int32; bytes for broadcast):
+maxima in float32, sums in int64 (exact) or float32 (where one rank contributes per element). Every one of them is
+shown to the Ascend op check first, also on a single rank, so a CPU run finds a collective the NPU would refuse.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
+
+from msmodelslim.core.ascend_check import check_collective
 
 
 @dataclass(frozen=True)
@@ -32,21 +39,30 @@ class DistContext:
         """Element-wise max of same-shaped statistics over ranks: one collective, names in sorted order.
 
         Max is exact in floating point, so every rank ends with bit-identical statistics whatever the rank count.
+        Tensors of one float dtype travel in it (float32 for the runner's statistics).
         """
-        return self._all_reduce(stats, torch_dist.ReduceOp.MAX, torch.float32)
+        return self._all_reduce(stats, torch_dist.ReduceOp.MAX)
 
     def all_reduce_sum(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Element-wise sum over ranks: one collective, names in sorted order, in int64 when every tensor is an
-        integer, else in float64. Exact in any order for integer values (below 2^53 in float64) and where one rank
-        contributes per element; the runner sums nothing else."""
-        exact = all(not t.is_floating_point() for t in stats.values())
-        return self._all_reduce(stats, torch_dist.ReduceOp.SUM, torch.int64 if exact else torch.float64)
+        integer (exact in any order), else in the tensors' float dtype: exact only where at most one rank
+        contributes per element, which is the only way the runner sums floats."""
+        return self._all_reduce(stats, torch_dist.ReduceOp.SUM)
 
-    def _all_reduce(self, stats: dict[str, torch.Tensor], op: torch_dist.ReduceOp,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        if not self.is_distributed or not stats:
+    def _all_reduce(self, stats: dict[str, torch.Tensor], op: torch_dist.ReduceOp) -> dict[str, torch.Tensor]:
+        if not stats:
             return stats
         names = sorted(stats)
+        dtypes = {stats[n].dtype for n in names}
+        if any(t.is_floating_point for t in dtypes):
+            if len(dtypes) > 1:
+                raise TypeError(f"one all-reduce of several float dtypes {sorted(map(str, dtypes))}: cast first")
+            dtype = dtypes.pop()
+        else:
+            dtype = torch.int64
+        check_collective("all_reduce", dtype)
+        if not self.is_distributed:
+            return stats
         flat = torch.cat([stats[n].reshape(-1).to(self.device, dtype) for n in names])
         torch_dist.all_reduce(flat, op=op)
         out, offset = {}, 0
@@ -56,8 +72,37 @@ class DistContext:
             offset += numel
         return out
 
+    def all_gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's row block of a 2-D tensor (row counts may differ), in rank order."""
+        if not self.is_distributed:
+            return [t]
+        check_collective("all_gather", t.dtype)
+        count = torch.tensor([t.shape[0]], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        torch_dist.all_gather(counts, count)
+        sizes = [int(c.item()) for c in counts]
+        padded = t.new_zeros((max(sizes), t.shape[1]))
+        padded[: t.shape[0]] = t
+        blocks = [torch.empty_like(padded) for _ in range(self.world_size)]
+        torch_dist.all_gather(blocks, padded.contiguous())
+        return [b[:n] for b, n in zip(blocks, sizes)]
+
+    def exchange_sum(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """parts[j]: what this rank computed for rank j. Returns the sum over ranks of their parts for this rank
+        (one all-to-all: each rank receives only its own blocks, W times less than an all-reduce of them all).
+        Exact where at most one rank contributes per element, the only way expert parallelism uses it."""
+        mine = parts[self.rank]
+        if not self.is_distributed:
+            return mine
+        check_collective("all_to_all", mine.dtype)
+        send = torch.cat([p.reshape(-1) for p in parts])
+        recv = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        torch_dist.all_to_all_single(recv, send, [mine.numel()] * self.world_size, [p.numel() for p in parts])
+        return recv.view(self.world_size, *mine.shape).sum(dim=0)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """`src`'s values in `tensor` on every rank (in place; moved through this rank's device and back)."""
+        check_collective("broadcast", tensor.dtype)
         if not self.is_distributed:
             return tensor
         buf = tensor.to(self.device)

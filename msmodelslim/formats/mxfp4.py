@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from msmodelslim.core.placement import on_host
+
 __all__ = [
     "E2M1_VALUES",
     "GROUP_SIZE",
@@ -66,6 +68,7 @@ def _check_decode_inputs(packed: torch.Tensor, scale: torch.Tensor, name: str) -
 
 
 @functools.lru_cache(maxsize=32)
+@on_host("the MXFP4 decode table is built once in float64, where every value is exact")
 def _pair_table_cpu(dtype: torch.dtype, exponent_bias: int) -> torch.Tensor:
     """Table [256 * 256] indexed by ``e << 8 | byte``: the two decoded elements of ``byte``, as one word.
 

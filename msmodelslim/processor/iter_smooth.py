@@ -82,7 +82,7 @@ class Subgraph:
 # ---------------------------------------------------------------------------------------------------------------
 def smooth_scale(x_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float, scale_min: float) -> torch.Tensor:
     """s = clamp(max|X|^alpha / max|W|^(1-alpha), min=scale_min); s = 1 where X or W carries no information."""
-    x, w = x_absmax.double(), w_absmax.double()
+    x, w = x_absmax.float(), w_absmax.float()
     s = (x.pow(alpha) / w.pow(1.0 - alpha)).clamp(min=scale_min)
     return torch.where((x > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s))
 
@@ -90,38 +90,38 @@ def smooth_scale(x_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float, s
 @torch.no_grad()
 def divide_norm(gamma: torch.Tensor, s: torch.Tensor) -> None:
     """gamma <- gamma / s (the norm's output X becomes X / s)."""
-    gamma.copy_((gamma.double() / s.to(gamma.device)).to(gamma.dtype))
+    gamma.copy_((gamma.float() / s.to(gamma.device, torch.float32)).to(gamma.dtype))
 
 
 @torch.no_grad()
 def divide_rows(linear: nn.Linear, s: torch.Tensor, rows: Span = WHOLE) -> None:
     """W[i, :] <- W[i, :] / s_i and b_i <- b_i / s_i on the span's rows (the linear's output becomes X / s)."""
     idx = rows.index(linear.weight.shape[0], linear.weight.device).reshape(-1)
-    s = s.to(linear.weight.device)
+    s = s.to(linear.weight.device, torch.float32)
     w = linear.weight.data
-    w[idx] = (w[idx].double() / s[:, None]).to(w.dtype)
+    w[idx] = (w[idx].float() / s[:, None]).to(w.dtype)
     if linear.bias is not None:
         b = linear.bias.data
-        b[idx] = (b[idx].double() / s).to(b.dtype)
+        b[idx] = (b[idx].float() / s).to(b.dtype)
 
 
 @torch.no_grad()
 def multiply_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
     """W[:, j] <- W[:, j] * s_j (the reader sees X / s and computes the same output)."""
-    weight.copy_((weight.double() * s.to(weight.device)).to(weight.dtype))
+    weight.copy_((weight.float() * s.to(weight.device, torch.float32)).to(weight.dtype))
 
 
 def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor, token_range: float,
                    w_bits: Any, a_bits: Any) -> float:
     """Quantized output error of one reader after smoothing by s (module docstring): weight part through the
-    Hessian plus the per-token activation rounding noise. Float32 unless the weight is float64 (it only ranks
-    candidates; the same inputs give the same bits on every rank)."""
-    work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    Hessian plus the per-token activation rounding noise, in float32 on the device (it only ranks candidates;
+    the same inputs give the same bits on every rank)."""
+    work = torch.float32
     ws = weight.to(work) * s.to(weight.device, work)
     scale = minmax_scale(ws, w_bits, PerChannel())
     m = (quantize_with_scale(ws, scale, w_bits).to(work) * scale - ws) / s.to(ws.device, work)
-    weight_part = float(((m @ hessian.to(m.device, work)) * m).sum(dtype=torch.float64))
-    act_part = float(ws.square().sum(dtype=torch.float64)) * token_range / (12.0 * a_bits.qmax ** 2)
+    weight_part = float(((m @ hessian.to(m.device, work)) * m).sum())
+    act_part = float(ws.square().sum()) * token_range / (12.0 * a_bits.qmax ** 2)
     return weight_part + act_part
 
 
@@ -272,7 +272,7 @@ class IterSmoothProcessor(Processor):
         for i, sg in enumerate(subgraphs):
             x_max, w_max, _ = yield from self._reduced_statistics(ctx, sg, modules, absmax)
             readers[i] = self._reader_schemes(ctx, sg)
-            ones = torch.ones_like(x_max, dtype=torch.float64)
+            ones = torch.ones_like(x_max, dtype=torch.float32)
             candidates[i] = [ones] + [self._scale(sg, x_max, w_max, a).repeat(sg.heads)
                                       for a in self.config.search_alphas]
             inv = 1.0 / torch.stack(candidates[i])
@@ -292,7 +292,7 @@ class IterSmoothProcessor(Processor):
             cost = len(candidates[i]) * sum(w.numel() * w.shape[-1] for w, *_ in rows)
             local = sg.across_ranks or any(ctx.adapter.is_expert(t) for t in readers[i])
             jobs.append(Job(str(i), cost, partial(_candidate_errors, rows, candidates[i]),
-                            outputs={"errors": ((len(rows), len(candidates[i])), torch.float64)}, local=local))
+                            outputs={"errors": ((len(rows), len(candidates[i])), torch.float32)}, local=local))
         results = yield Jobs(jobs)
         errors = {i: results[str(i)]["errors"] for i in range(len(subgraphs))}
         shared = [i for i, sg in enumerate(subgraphs) if sg.across_ranks]
@@ -300,10 +300,11 @@ class IterSmoothProcessor(Processor):
         if shared:  # rank-local readers: sum their errors over ranks exactly, as integers on one grid
             top = yield Reduce("max", {str(i): errors[i].amax().reshape(1).float() if errors[i].numel() else
                                        torch.zeros(1) for i in shared})
-            quanta = {i: max(float(top[str(i)]), 1e-300) * 2.0 ** -ERROR_GRID_BITS for i in shared}
-            ints = {str(i): torch.round(errors[i] / quanta[i]).to(torch.int64).sum(dim=0) for i in shared}
+            tops = {i: float(top[str(i)]) or 1.0 for i in shared}  # errors / top <= 1: a float32-safe grid
+            ints = {str(i): torch.round(errors[i] / tops[i] * 2.0 ** ERROR_GRID_BITS).to(torch.int64).sum(dim=0)
+                    for i in shared}
             summed = yield Reduce("sum", ints)
-            totals.update({i: summed[str(i)].double() * quanta[i] for i in shared})
+            totals.update({i: summed[str(i)] for i in shared})  # int64: compared exactly
         chosen = {}
         for i, sg in enumerate(subgraphs):
             best = int(torch.argmin(totals[i])) if readers[i] or sg.across_ranks else 0  # first of equal minima
@@ -323,7 +324,7 @@ def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict
     """{"errors": [reader, candidate]} of the modelled error (rows: weight, scheme, Hessian, token ranges)."""
     errors = [[modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act) for c, s in enumerate(candidates)]
               for w, scheme, h, r in rows]
-    return {"errors": torch.tensor(errors, dtype=torch.float64).reshape(len(rows), len(candidates))}
+    return {"errors": torch.tensor(errors, dtype=torch.float32).reshape(len(rows), len(candidates))}
 
 
 def _input_groups(readers: tuple[str, ...], is_expert: Any) -> list[tuple[str, ...]]:

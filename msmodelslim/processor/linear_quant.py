@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 GPTQ_EXT = {"percdamp": "damp", "block_size": "block_size", "act_order": "act_order"}  # msModelSlim's ext keys
-GPTQ_BATCH_BYTES = 2 << 30  # float64 Hessians per batched GPTQ of experts (its temporaries are a few times this)
+GPTQ_BATCH_BYTES = 2 << 30  # float32 Hessians per batched GPTQ of experts (its temporaries are a few times this)
 
 
 @dataclass
@@ -173,7 +173,7 @@ class LinearQuantProcessor(Processor):
         for name, linear in linears.items():
             shape = tuple(linear.weight.shape)
             local = ctx.adapter.is_expert(name)
-            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 8)) if gptq else 1
+            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 4)) if gptq else 1
             batches = groups.setdefault((shape, local), [[]])
             if len(batches[-1]) == per_batch:
                 batches.append([])
@@ -195,12 +195,23 @@ class LinearQuantProcessor(Processor):
     def _quantize(self, weights: list[torch.Tensor], names: list[str], hessians: list[torch.Tensor | None],
                   tokens: list[int | None]) -> dict[str, torch.Tensor]:
         scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
+        index = None
         if len(weights) == 1:
             w, h, n = weights[0], hessians[0], tokens[0]
         else:  # a batch of one shape: stacked, quantized by one batched GPTQ
-            w, h, n = torch.stack(weights), torch.stack(hessians), torch.tensor(tokens)
+            w, h, n = torch.stack(weights), None, None
+            if hessians[0] is not None:  # readers of one input (w1, w3) hold one Hessian object: stacked once
+                slot: dict[int, int] = {}
+                firsts: list[int] = []
+                for i, m in enumerate(hessians):
+                    if id(m) not in slot:
+                        slot[id(m)] = len(firsts)
+                        firsts.append(i)
+                index = torch.tensor([slot[id(m)] for m in hessians])
+                h = torch.stack([hessians[i] for i in firsts])
+                n = torch.tensor([tokens[i] for i in firsts])
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=h, tokens=n, gptq=weight_cfg.gptq)
+                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index)
         if len(weights) == 1:
             q, scale = q[None], scale[None]
         out = {}

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from msmodelslim.core.placement import host_section
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.errors import UserError
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
@@ -93,7 +94,7 @@ class QuaRotPlan:
 # The transformations, one equation each
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def fuse_norm(gamma: torch.Tensor, readers: list[torch.Tensor], dtype: torch.dtype = torch.float64,
+def fuse_norm(gamma: torch.Tensor, readers: list[torch.Tensor], dtype: torch.dtype = torch.float32,
               span: Span = WHOLE) -> None:
     """W <- W diag(gamma) for every reader (on the span's columns); gamma <- 1."""
     g = gamma.to(dtype)
@@ -111,7 +112,7 @@ def rotate_in(w: torch.Tensor, q: torch.Tensor, span: Span = WHOLE) -> None:
     """W <- W Q on the span's channel blocks of the last dim."""
     whole = span == WHOLE
     idx = None if whole else span.index(w.shape[-1], w.device)  # [count, width]
-    for rows in torch.split(torch.arange(w.shape[0], device=w.device), _ROW_CHUNK):  # bounded fp64 memory
+    for rows in torch.split(torch.arange(w.shape[0], device=w.device), _ROW_CHUNK):  # bounded temporaries
         if whole:
             w[rows] = (w[rows].to(q.dtype) @ q).to(w.dtype)
         else:
@@ -140,7 +141,7 @@ def _online_pre_hook(module: nn.Module, args: tuple) -> tuple:
 
 
 @torch.no_grad()
-def rotate_online(linear: nn.Linear, t: torch.Tensor, dtype: torch.dtype = torch.float64) -> None:
+def rotate_online(linear: nn.Linear, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
     """W <- W T^T at rest; x~ = x T^T at run time (buffer `online_rotation` = T plus a float pre-hook)."""
     if hasattr(linear, ONLINE_BUFFER):
         raise ValueError(f"{linear} already carries an {ONLINE_BUFFER!r} buffer (QuaRot applied twice?)")
@@ -161,7 +162,9 @@ class QuaRotConfig(ProcessorConfig):
     rotate_latent: bool = True  # rot_latent: the latent-MoE space
     rotate_mla: bool = True  # MLA kv_lora_rank space (after fusing kv_a_layernorm) and per-head v_head_dim space
     block_size: int | None = None  # block of the block-diagonal fallback for sizes without a Hadamard matrix
-    compute_dtype: Literal["float64", "float32"] = "float64"  # "float32" where the device has no float64 matmul (some NPUs)
+    # float32 on the device, as msModelSlim rotates (Ascend's matrix kernels take no float64: docs/npu.md);
+    # float64 only where the device has float64 matrix products (CPU, CUDA), e.g. to measure the rounding
+    compute_dtype: Literal["float64", "float32"] = "float32"
 
     def validate(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
@@ -188,7 +191,7 @@ class QuaRotProcessor(Processor):
 
     def __init__(self, config: QuaRotConfig, adapter: Any) -> None:
         super().__init__(config, adapter)
-        self._q: dict[tuple[str, int], torch.Tensor] = {}  # (space, size) -> Q (CPU, float64)
+        self._q: dict[tuple[str, int], torch.Tensor] = {}  # (space, size) -> Q (host, float64)
         self._on_device: dict[tuple[str, int, str], torch.Tensor] = {}
         self._online: dict[int, torch.Tensor] = {}  # size -> T (fp32), shared by every linear of that size
 
@@ -207,18 +210,23 @@ class QuaRotProcessor(Processor):
     def rotation(self, space: str, size: int, device: torch.device) -> torch.Tensor:
         """Q of one space and size (built once per run), on `device` in the compute dtype."""
         if (space, size) not in self._q:
-            self._q[(space, size)] = random_hadamard(size, space_seed(self.config.seed, space, size), self.config.block_size)
+            with host_section("QuaRot: Q built once per space in float64, rounded once to the compute dtype"):
+                self._q[(space, size)] = random_hadamard(size, space_seed(self.config.seed, space, size),
+                                                         self.config.block_size)
             logger.info("quarot: built Q for space %s, size %d", space, size)
         key = (space, size, str(device))
         if key not in self._on_device:
-            self._on_device[key] = self._q[(space, size)].to(device, self.dtype)
+            with host_section("QuaRot: Q rounded on the host, then moved"):
+                host = self._q[(space, size)].to(self.dtype)
+            self._on_device[key] = host.to(device)
         return self._on_device[key]
 
     def online_rotation(self, size: int) -> torch.Tensor:
         """T for down inputs of `size`: the plain normalised Hadamard (no random signs, so runtimes can use a fast
         Walsh-Hadamard kernel), block-diagonal when `size` has no Hadamard matrix."""
         if size not in self._online:
-            self._online[size] = orthogonal_hadamard(size, self.config.block_size).float()
+            with host_section("QuaRot: the online Hadamard built once in float64"):
+                self._online[size] = orthogonal_hadamard(size, self.config.block_size).float()
         return self._online[size]
 
     def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
@@ -272,7 +280,8 @@ class QuaRotProcessor(Processor):
             return None
         if len(hidden) > 1:
             raise RuntimeError(f"quarot: the residual space was rotated at several sizes {sorted(hidden)}")
-        q = self._q[(HIDDEN, hidden[0])].to(torch.float32)
+        with host_section("QuaRot: the published Q"):
+            q = self._q[(HIDDEN, hidden[0])].to(torch.float32)
         return Extras(optional={"quarot": {"rotation_map": {"global_rotation": GLOBAL_ROTATION_FILE}}},
                       files={GLOBAL_ROTATION_FILE: {"global_rotation": q}})
 

@@ -53,7 +53,7 @@ def head_scales(low: torch.Tensor, high: torch.Tensor, spec: AttentionQuantSpec)
     computes them (`ir/api/impl/int_quantization.py`, `fp_quantization.py`), rounded to bfloat16 values (float32
     [heads]): vllm-ascend holds them in the model dtype (kv_c8.py `create_weights`), so that is the scale the
     kernel uses, and msModelSlim's saved scales are bf16 values too."""
-    amax = torch.maximum(low.double().neg().clamp(min=0), high.double().clamp(min=0))
+    amax = torch.maximum(low.float().neg().clamp(min=0), high.float().clamp(min=0))
     return (amax / spec.bound).clamp(min=spec.floor).to(torch.bfloat16).float()
 
 

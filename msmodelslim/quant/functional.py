@@ -80,9 +80,8 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
 
     For each row: q = clamp(round(w / s)); s = <w, q> / <q, q> (the least-squares scale for fixed q); repeat.
     Each step cannot increase the row's error ||w - s q||^2 (rounding is the best q for s, the projection the best
-    s for q); the best scale seen per row is kept, judged by ||w||^2 - 2 s <w,q> + s^2 <q,q> from row dot products
-    (no residual tensor per step), and a final exact check keeps min/max for any row where it is not worse, so the
-    result never loses to min/max. Returns float32 scales [out, 1]; stops early when no row's scale changes.
+    s for q); the best scale seen per row is kept, judged by its residual ||w - s q||^2 in the work dtype, and a
+    final check keeps min/max for any row where it is not worse, so the result never loses to min/max. Returns float32 scales [out, 1]; stops early when no row's scale changes.
     """
     d = _as_dtype(bits)
     work = _work_dtype(w)
@@ -99,15 +98,14 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
         torch.div(w2, scale, out=q)
         return q.round_().clamp_(d.qmin, d.qmax)
 
-    ww = rowdot(w2, w2).double()
     s = s0
     best_s, best_err = s0, None
     for step in range(iters + 1):
         rounded(s)
         wq = rowdot(w2, q)
         qq = rowdot(q, q)
-        sd = s.double()
-        err = ww - 2 * sd * wq.double() + sd * sd * qq.double()
+        residual = torch.sub(w2, q * s, out=prod)  # the error itself: no float64 needed on the device
+        err = rowdot(residual, residual)
         if best_err is None:
             best_err = err
         else:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from msmodelslim.core.placement import HOST, host_section, not_on_npu
 from msmodelslim.quant.functional import grid_scale_search
 from msmodelslim.quant.granularity import IntDtype
 
@@ -41,44 +42,83 @@ def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype) -> torch
 
 def shrunk_hessian(hessian: torch.Tensor, tokens: int | torch.Tensor | None) -> torch.Tensor:
     """(1 - gamma) H + gamma diag(H), gamma = d / (tokens + d) per matrix; H itself when the count is unknown
-    (float64, a new tensor; `hessian` [..., d, d], `tokens` a count or one per matrix)."""
-    h = hessian.to(torch.float64)
+    (float32 unless H is float64, a new tensor; `hessian` [..., d, d], `tokens` a count or one per matrix)."""
+    work = torch.float64 if hessian.dtype == torch.float64 else torch.float32
+    h = hessian.to(work)
     if tokens is None:
         return h.clone()
     d = h.shape[-1]
-    n = torch.as_tensor(tokens, dtype=torch.float64, device=h.device).clamp_min(0).reshape(-1, 1, 1)
+    n = torch.as_tensor(tokens, device=h.device).to(work).clamp_min(0).reshape(-1, 1, 1)
     gamma = (d / (n + d)).reshape(*h.shape[:-2], 1, 1) if h.dim() > 2 else d / (float(n) + d)
-    return h * (1.0 - gamma) + torch.diag_embed(torch.diagonal(h, dim1=-2, dim2=-1)) * gamma
+    out = h * (1.0 - gamma)
+    diag_gamma = gamma[..., 0] if isinstance(gamma, torch.Tensor) else gamma  # [..., 1] against the diagonal
+    torch.diagonal(out, dim1=-2, dim2=-1).add_(torch.diagonal(h, dim1=-2, dim2=-1) * diag_gamma)
+    return out
+
+
+def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for a batch [B, d, d] of positive definite H, on the host.
+
+    Ascend has no `cholesky_inverse` kernel, and its Cholesky takes float32 only and falls back to the CPU through
+    `linalg_cholesky_ex`, so off CUDA this runs deliberately on the host, batched, as msModelSlim does. The host computes in float64 and rounds once to float32: float32 factors
+    computed with another thread count differ in their last bits, float64 ones almost never after the rounding,
+    which keeps a DP run's output that of one device. One factorisation and one triangular inverse: with J the
+    reversal, J H J = K K^T gives H = R R^T for the upper R = J K J, so H^-1 = (R^-1)^T R^-1 and U = R^-1 (upper,
+    positive diagonal: the unique factor)."""
+    device = h.device
+    if device.type == "cuda":  # cuSOLVER factors on the GPU in float32, deterministically
+        with not_on_npu("CUDA's Cholesky; an NPU factors on the host (its linalg_cholesky_ex falls back to the CPU)"):
+            k = torch.linalg.cholesky(h.detach().float().flip(-2, -1))
+            eye = torch.eye(h.shape[-1], dtype=torch.float32, device=device).expand_as(k)
+            return torch.linalg.solve_triangular(k.flip(-2, -1), eye, upper=True)
+    with host_section("GPTQ: Cholesky factor of H^-1 (Ascend has no cholesky_inverse, no float64 Cholesky)"):
+        host = h.detach().to(HOST, torch.float64)
+        k, info = torch.linalg.cholesky_ex(host.flip(-2, -1))
+        if bool(info.any()):
+            raise RuntimeError(f"GPTQ: a Hessian is not positive definite even after dampening (matrix "
+                               f"{int(info.nonzero()[0])} of the batch)")
+        r = k.flip(-2, -1)
+        eye = torch.eye(h.shape[-1], dtype=torch.float64).expand_as(r)
+        u = torch.linalg.solve_triangular(r, eye, upper=True).to(torch.float32)
+    return u.to(device)
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
-                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None,
+                  index: torch.Tensor | None = None) -> torch.Tensor:
     """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1], minimising
     tr(dW H dW^T) (H shrunk toward its diagonal when `tokens`, the rows it summed, is given).
 
     Leading dims are a batch of independent matrices of one shape (a layer's routed experts): one column loop
-    runs them all, so the loop's per-column kernel launches are paid once per batch, not once per expert."""
+    runs them all, so the loop's per-column kernel launches are paid once per batch, not once per expert. With
+    `index` [B], matrix b reads Hessian index[b] of `hessian` [U, d, d] (and `tokens` [U]): readers of one input
+    (an expert's w1 and w3) share its Hessian, its ordering and its inverse factor."""
     if w.dim() == 2:
         return gptq_quantize(w[None], hessian[None], scale[None], dtype, options,
                              None if tokens is None else torch.as_tensor(tokens).reshape(1))[0]
     damp, block_size, act_order = options.damp, options.block_size, options.act_order
-    work = torch.float64 if w.dtype == torch.float64 else torch.float32  # the Cholesky factors: float64
-    W = w.detach().to(work).clone()
-    H = shrunk_hessian(hessian.to(w.device), tokens)
-    batch, _, cols = W.shape
-    eye = torch.eye(cols, dtype=H.dtype, device=H.device)
+    batch, _, cols = w.shape
+    if index is None:
+        index = torch.arange(batch)
+    index = index.to(w.device)
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32
+    H = shrunk_hessian(hessian.to(w.device), tokens).to(work)
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag <= 0  # [B, in]: no token reached the channel
+    dead = diag <= 0  # [U, in]: no token reached the channel
     live = (~dead).to(H.dtype)
-    H = H * live[:, :, None] * live[:, None, :] + torch.diag_embed(dead.to(H.dtype))
+    H = H * live[:, :, None] * live[:, None, :]
+    torch.diagonal(H, dim1=-2, dim2=-1).add_(dead.to(H.dtype))  # a dead channel: 1 on the diagonal
+    perm = None
     if act_order:
-        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
-        W = torch.gather(W, 2, perm[:, None, :].expand_as(W))
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [U, in]
         H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand_as(H)), 2, perm[:, None, :].expand_as(H))
-    H = H + eye * (damp * torch.diagonal(H, dim1=-2, dim2=-1).mean(dim=-1))[:, None, None]
+    torch.diagonal(H, dim1=-2, dim2=-1).add_((damp * torch.diagonal(H, dim1=-2, dim2=-1).mean(dim=-1))[:, None])
     # Upper Cholesky factor of H^-1 (its rows are the update directions of the column-by-column solve).
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(work)
+    Hinv = inverse_cholesky_upper(H).to(work)
     del H
+    W = w.detach().to(work)
+    if perm is not None:
+        W = torch.gather(W, 2, perm[index][:, None, :].expand_as(W))
     s = scale.to(w.device, work).reshape(batch, 1, -1)
     # Columns of W as contiguous rows ([B, in, out]): the loop reads one column and updates the ones after it.
     Wt = W.transpose(1, 2).contiguous()
@@ -88,7 +128,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         end = min(start + block_size, cols)
         W1 = Wt[:, start:end]
         Err = torch.empty_like(W1)
-        Hb = Hinv[:, start:end, start:end]
+        Hb = Hinv[:, start:end, start:end][index]
         for i in range(end - start):
             col = W1[:, i:i + 1]
             q = torch.clamp(torch.round(col / s), dtype.qmin, dtype.qmax)
@@ -96,8 +136,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
             err = (col - q * s) / Hb[:, i, i].reshape(batch, 1, 1)
             W1[:, i:] -= Hb[:, i, i:].unsqueeze(-1) * err
             Err[:, i:i + 1] = err
-        Wt[:, end:] -= torch.bmm(Hinv[:, start:end, end:].transpose(1, 2), Err)
+        Wt[:, end:] -= torch.bmm(Hinv[:, start:end, end:][index].transpose(1, 2), Err)
     Q = Qt.transpose(1, 2)
-    if act_order:
-        Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[:, None, :].expand_as(Q))
+    if perm is not None:
+        Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[index][:, None, :].expand_as(Q))
     return Q.to(torch.int8)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.functional import (
     dequantize,
     grid_scale_search,
@@ -84,12 +85,14 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
 
 def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_iters: int = 50,
                     scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
-                    tokens: int | None = None, gptq: GPTQOptions = DEFAULT_GPTQ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tokens: int | torch.Tensor | None = None, gptq: GPTQOptions = DEFAULT_GPTQ,
+                    hessian_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1]).
 
     The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
     positive one), and q is computed against exactly that value. gptq reads `hessian` (X^T X of the input) and
-    `tokens` (how many rows it summed)."""
+    `tokens` (how many rows it summed); for a batch [B, out, in], `hessian_index` [B] picks each matrix's Hessian
+    among `hessian` [U, d, d] (readers of one input share one)."""
     if method == "minmax":
         _, scale = quantize_symmetric(w, dtype, PerChannel())
     elif method == "ssz":
@@ -99,14 +102,14 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_i
     elif method == "gptq":
         if hessian is None:
             raise ValueError("weight method 'gptq' needs the input Hessian")
-        scale = gptq_scale(w, hessian, dtype)
+        scale = gptq_scale(w, hessian if hessian_index is None else hessian[hessian_index.to(hessian.device)], dtype)
     else:
         raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
     if scale_dtype != torch.float32:
         tiny = torch.finfo(scale_dtype).tiny
         scale = scale.to(scale_dtype).to(torch.float32).clamp_min(tiny)
     if method == "gptq":
-        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens), scale.to(torch.float32)
+        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale.to(torch.float32)
     return quantize_with_scale(w, scale, dtype), scale.to(torch.float32)
 
 
@@ -115,8 +118,9 @@ def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     without a float copy of the weight (a 4 MB temporary per expert call otherwise); elsewhere float32 products,
     exact while the sums stay below 2^24 (always for W4A8; W8A8 rows over ~1000 inputs can round in the last bits)."""
     if qx.device.type == "cpu":
-        return torch._int_mm(qx.reshape(-1, qx.shape[-1]), qweight.t()).to(torch.float32).view(
-            *qx.shape[:-1], qweight.shape[0])
+        with not_on_npu("the CPU's int32 GEMM; an NPU takes the float32 product (no _int_mm kernel)"):
+            return torch._int_mm(qx.reshape(-1, qx.shape[-1]), qweight.t()).to(torch.float32).view(
+                *qx.shape[:-1], qweight.shape[0])
     return qx.to(torch.float32) @ qweight.to(torch.float32).t()
 
 

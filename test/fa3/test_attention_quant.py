@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext, observe, recall_window
+from msmodelslim.core.runner.context import UnitContext, observe
 from msmodelslim.core.runner.requests import Observe
+from msmodelslim.core.runner.statistics import recall_window
 from msmodelslim.formats.ascendv1 import attention_quant_type, parse_attention_quant_type
 from msmodelslim.model.base import Unit
 from msmodelslim.quant.attention import (

@@ -1,13 +1,18 @@
 """Data + expert parallelism over several CPU processes (gloo) gives the single-device output byte for byte.
 
 Reference: the same command on `--device cpu` (one process). Tolerance: none; every written tensor must be
-bit-identical and the description JSON equal. This holds because statistics are reduced with max (exact), each
-routed-expert output lands in its own (token, slot) of a zero buffer before the cross-rank sum, and every sample
-runs through the replicated layers alone, exactly as on one device.
+bit-identical and the description JSON equal. This holds because statistics are reduced with max or as integer
+sums (exact), each routed-expert output lands in its own (token, slot) of a zero buffer before the ranks send it
+back, and every sample runs through the replicated layers alone, exactly as on one device.
+
+These runs are also the shipped practices under the Ascend op check (MSMODELSLIM_ASCEND_CHECK=1, docs/npu.md),
+one and several ranks: W4A8C8 (the W4A8 practice plus fa3_quant) and W8A8 on the tiny Kimi-K3, W4A8C8 on
+kimi-linear-mini. A violation would fail the run; the single-process run reports how many device ops it checked.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -15,7 +20,8 @@ import pytest
 import torch
 
 from msmodelslim.app.quant import QuantArgs, quant
-from msmodelslim.core.quant_service import split_samples
+from msmodelslim.core import ascend_check
+from msmodelslim.core.quant_service import STATS_ENV, split_samples
 
 from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
@@ -33,28 +39,47 @@ def _quant(model: Path, out: Path, device: str, model_type: str, practice: Path)
                     config_path=str(practice), trust_remote_code=True))
 
 
+@pytest.fixture
+def ascend_checked(monkeypatch, tmp_path: Path):
+    """Runs under the Ascend op check; returns how many device ops the last single-process run checked."""
+    monkeypatch.setenv(ascend_check.ENV, "1")
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats"))
+    return lambda: json.loads((tmp_path / "stats.rank0").read_text())["ascend_ops_checked"]
+
+
 def _quantized_attentions(out: Path) -> int:
     return sum(k.endswith(".fa_k.scale") for k in read_output(out)[1])
 
 
-def test_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path: Path):
+def test_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path: Path, ascend_checked):
     # the W4A8C8 practice: the W4A8 one plus fa3_quant, whose per-head ranges are reduced over ranks too
     practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8c8.yaml", tmp_path / "p.yaml",
                                  max_samples=5, max_seq_len=96)
     _quant(tiny_k3, tmp_path / "one", "cpu", "Kimi-K3", practice)
     assert _quantized_attentions(tmp_path / "one") > 0
+    assert ascend_checked() > 10_000
     for devices in ("cpu:0,1", "cpu:0,1,2,3"):
         out = tmp_path / devices.replace(":", "_").replace(",", "")
         _quant(tiny_k3, out, devices, "Kimi-K3", practice)
         assert assert_same_bytes(tmp_path / "one", out) > 100
 
 
+def test_w8a8_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_path: Path, ascend_checked):
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w8a8.yaml", tmp_path / "p.yaml",
+                                 max_samples=3, max_seq_len=48)
+    _quant(tiny_k3, tmp_path / "one", "cpu", "Kimi-K3", practice)
+    assert ascend_checked() > 10_000
+    _quant(tiny_k3, tmp_path / "two", "cpu:0,1", "Kimi-K3", practice)
+    assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
+
+
 @pytest.mark.skipif(not MINI.is_dir(), reason="needs ../shared/models/kimi-linear-mini")
-def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path):
+def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path, ascend_checked):
     practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8c8.yaml", tmp_path / "p.yaml",
                                  max_samples=3, max_seq_len=64)
     _quant(MINI, tmp_path / "one", "cpu", "Kimi-Linear", practice)
     assert _quantized_attentions(tmp_path / "one") > 0
+    assert ascend_checked() > 10_000
     _quant(MINI, tmp_path / "two", "cpu:0,1", "Kimi-Linear", practice)
     assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
 

@@ -44,9 +44,9 @@ def test_smooth_scale_formula_and_no_information_channels():
     x = torch.tensor([4.0, 0.0, 2.0, 1e-30, 3.0])
     w = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0])
     s = smooth_scale(x, w, alpha=0.9, scale_min=1e-5)
-    assert abs(float(s[0]) - 4.0**0.9 / 0.5**0.1) < 1e-9
+    assert abs(float(s[0]) - 4.0**0.9 / 0.5**0.1) < 1e-6 * 4.0  # float32 on the device, rel ~1e-7
     assert float(s[1]) == 1.0 and float(s[2]) == 1.0  # no activation / no weight: untouched
-    assert float(s[3]) == 1e-5  # clamped
+    assert float(s[3]) == float(torch.tensor(1e-5))  # clamped (the float32 value of scale_min)
     assert torch.isfinite(s).all()
 
 
@@ -96,7 +96,8 @@ def test_searched_smoothing_keeps_the_logits_and_records_its_choices():
 
 def test_modelled_weight_error_is_the_output_error_on_the_calibration_tokens():
     """Without the activation part, the model's error is exactly ||(X / s) dW^T||^2 with dW the rounding error of
-    W diag(s): the Hessian form against the tokens themselves, float64, rel 1e-9."""
+    W diag(s): the Hessian form (evaluated in float32, as on the device) against the tokens themselves in
+    float64, rel 1e-6."""
     from msmodelslim.processor.iter_smooth import modelled_error
     from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
     from msmodelslim.quant.granularity import PerChannel, int4, int8
@@ -109,7 +110,7 @@ def test_modelled_weight_error_is_the_output_error_on_the_calibration_tokens():
     scale = minmax_scale(ws, int4, PerChannel())
     dw = quantize_with_scale(ws, scale, int4).double() * scale - ws
     direct = float(((x / s) @ dw.t()).square().sum())
-    assert abs(modelled_error(w, s, x.t() @ x, 0.0, int4, int8) - direct) <= 1e-9 * direct
+    assert abs(modelled_error(w, s, x.t() @ x, 0.0, int4, int8) - direct) <= 1e-6 * direct
 
 
 def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+from msmodelslim.core import ascend_check
 from msmodelslim.core.calib import load_calib_records
-from msmodelslim.core.device import DeviceSpec
+from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.layer_wise import LayerWiseRunner
 from msmodelslim.errors import UserError
@@ -85,6 +86,7 @@ class QuantRequest:
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
     orphan_cleanup: tuple[Path, ...] = ()
+    ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
 
 
 def _free_port() -> int:
@@ -170,19 +172,14 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
     spec = request.practice.spec
     world = request.device.world_size
     device = request.device.torch_device(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif device.type == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device in this process)
-
-        torch.npu.set_device(device)
+    bind_device(device)
     if world > 1:
         configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
         if main_pid is not None:
             _stop_with_main(main_pid, rank, [request.work_dir, *request.orphan_cleanup]
                             + ([Path(failures)] if failures else []))
-        if device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist = DistContext(rank=rank, world_size=world, device=device)
     adapter = None
     try:
@@ -203,11 +200,14 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         prefetch = request.prefetch and device.type != "cpu"
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps)
         start = time.perf_counter()
-        stats = runner.run(mine)
-        result = {**stats.seconds, "runner_wall": time.perf_counter() - start, "world_size": world,
+        checked: dict[str, int] = {}
+        with ascend_check.run_checked(device, request.ascend_check, checked):
+            stats = runner.run(mine)
+        result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        if device.type == "cuda":
-            result["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        peak = peak_device_bytes(device)
+        if peak is not None:
+            result["peak_device_gb"] = peak / 2**30
         logger.info("rank %d finished in %.1f s (%s)", rank, result["runner_wall"],
                     ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())))
         if os.environ.get(STATS_ENV):

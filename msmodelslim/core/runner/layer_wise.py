@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from msmodelslim.core import ascend_check
+from msmodelslim.core.device import bind_device, release_cached_memory
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.runner.context import UnitContext, run_processor
@@ -74,13 +76,18 @@ class LayerWiseRunner:
         states = [dict(s) for s in samples]
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if self.prefetch else None
 
+        def load_in_thread(unit: Unit) -> nn.Module:
+            bind_device(device)  # this thread's work lands on the rank's device, not device 0
+            with ascend_check.watching():
+                return self.adapter.load_unit(unit, device)
+
         def load(i: int) -> Future | nn.Module:
             if pool is None:
                 t0 = time.perf_counter()
                 module = self.adapter.load_unit(units[i], device)
                 self.stats.add("load", time.perf_counter() - t0)
                 return module
-            return pool.submit(self.adapter.load_unit, units[i], device)
+            return pool.submit(load_in_thread, units[i])
 
         bar = tqdm(total=len(units), desc="quantizing", unit="unit", disable=not self.dist.is_main,
                    dynamic_ncols=True)
@@ -112,6 +119,7 @@ class LayerWiseRunner:
                 for saver in self.savers:
                     saver.save_unit(unit, module)
                 self.adapter.free_unit(unit, module)
+                release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
                 self.stats.add("save", time.perf_counter() - t0)
                 self.stats.units += 1
                 bar.update(1)

@@ -353,7 +353,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         where = reader.file_of(name) if hasattr(reader, "file_of") else self.model_path
         try:
             tensor = reader.get(name, device)
-        except CheckpointError:
+        except UserError:  # a CheckpointError, or the Ascend op check: already one line
             raise
         except (ValueError, RuntimeError, OSError) as exc:
             raise CheckpointError(f"{where}: tensor {name} of unit {unit.name} cannot be read: "

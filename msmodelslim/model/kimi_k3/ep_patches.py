@@ -1,11 +1,11 @@
 """Expert parallelism by monkey-patching the checkpoint's own MoE class (never its files).
 
 Rank r holds only the experts in `resolve_expert_ep_range(E, r, W)`; the others are never built or loaded.
-The routed part of the MoE forward becomes: gather every rank's tokens, run the local experts, sum-reduce,
-keep this rank's tokens. Shared experts and latent projections stay replicated and are computed once per rank.
+The routed part of the MoE forward becomes: gather every rank's tokens, run the local experts, and send each rank
+the slots of its own tokens (one all-to-all, core/dist). Shared experts and latent projections stay replicated and are computed once per rank.
 
 Bit-exactness with a single device: each (token, top-k slot) output is computed by exactly one rank into its own
-slot of a zero buffer, so the cross-rank SUM only ever adds zeros (exact), and the k slots are then summed in a
+slot of a zero buffer, so summing what the ranks send back only ever adds zeros (exact), and the k slots are then summed in a
 fixed order on every rank. Each expert runs on the tokens of one source rank at a time, so its matmuls see the same
 rows as on a single device that processes the same sample.
 """
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
@@ -47,19 +46,6 @@ def is_moe_block(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate", "experts", "shared_experts"))
 
 
-def _gather_rows(t: torch.Tensor, dist: DistContext) -> list[torch.Tensor]:
-    """All ranks' row blocks of a 2-D fp32 tensor (row counts may differ)."""
-    count = torch.tensor([t.shape[0]], dtype=torch.int64, device=dist.device)
-    counts = [torch.zeros_like(count) for _ in range(dist.world_size)]
-    torch_dist.all_gather(counts, count)
-    sizes = [int(c.item()) for c in counts]
-    padded = t.new_zeros((max(sizes), t.shape[1]))
-    padded[: t.shape[0]] = t
-    blocks = [torch.empty_like(padded) for _ in range(dist.world_size)]
-    torch_dist.all_gather(blocks, padded.contiguous())
-    return [b[:n] for b, n in zip(blocks, sizes)]
-
-
 def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  dist: DistContext) -> torch.Tensor:
     """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index."""
@@ -68,7 +54,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
     if dist.is_distributed:
         packed = torch.cat([x.float(), topk_idx.float(), topk_weight.float()], dim=1).to(dist.device)
         sources = [(b[:, :width].to(x.dtype), b[:, width : width + k].long(), b[:, width + k :])
-                   for b in _gather_rows(packed, dist)]
+                   for b in dist.all_gather_rows(packed)]
     else:
         sources = [(x, topk_idx, topk_weight.float())]
 
@@ -88,13 +74,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
                 rows, cols = sel // k, sel % k
                 out[rows, cols] = expert(xs[rows]).float() * w[rows, cols, None]
         slots.append(out)
-    if dist.is_distributed:
-        flat = torch.cat([s.reshape(-1) for s in slots])
-        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
-        mine = flat[sum(s.numel() for s in slots[: dist.rank]):][: slots[dist.rank].numel()]
-        own = mine.view_as(slots[dist.rank])
-    else:
-        own = slots[0]
+    own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
 
 

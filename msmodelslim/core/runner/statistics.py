@@ -1,0 +1,283 @@
+"""The statistics the runner records for an `Observe` request: one class per kind.
+
+A kind owns its whole life cycle: what its hook accumulates during a calibration pass, the zeros a module that saw
+no token reports (so every rank reduces the same names), its exact reduction over data-parallel ranks, and the form
+processors receive. A new statistic is one registered class; the runner (`context.observe`) only drives them.
+
+Everything runs on the run's device in Ascend-safe arithmetic (docs/npu.md): float32 and integers, matrix products
+in float32, collectives in float32 (max) or int64 (sums). The sums are exact, so every answer is identical on any
+number of ranks in any order:
+
+- Hessians: x on a per-channel grid of 2^15 steps of its range, each grid value split into two digits of at most
+  2^7; a float32 product of digits over at most 2^10 tokens sums integers below 2^24 (exact in float32 in any
+  order, also with TF32 / HF32 inputs, which hold such digits exactly), and the chunks add up in int64.
+- token ranges: per token an integer on a grid of the candidate's bound, summed in int64.
+- maxima (absmax, head ranges): max is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from msmodelslim.core.dist import DistContext
+from msmodelslim.core.runner.requests import Observe, Stats
+from msmodelslim.errors import UserError
+
+HESSIAN_GRID_BITS = 15  # x is rounded to 2^15 steps of its channel range: |grid| <= 2^15
+HESSIAN_DIGIT_BITS = 8  # grid = hi * 2^8 + lo with |hi|, |lo| <= 2^7: digit products <= 2^14
+HESSIAN_CHUNK_TOKENS = 1 << (24 - 2 * (HESSIAN_DIGIT_BITS - 1))  # 2^10 tokens: float32 partial sums <= 2^24
+HESSIAN_MAX_TOKENS = 1 << 32  # int64 sums of products <= 2^30 stay below 2^63
+TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
+TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
+
+KINDS: list[type[Statistic]] = []
+
+
+def statistic(cls: type[Statistic]) -> type[Statistic]:
+    """Register a kind; kinds record and reduce in registration order (the same on every rank)."""
+    KINDS.append(cls)
+    return cls
+
+
+def width(module: nn.Module) -> int:
+    return getattr(module, "in_features", None) or module.weight.shape[-1]
+
+
+class Statistic:
+    """One kind of statistic over one calibration pass."""
+
+    field: ClassVar[str]  # the Observe / Stats field this kind serves
+    flat_input: ClassVar[bool] = True  # the hook passes x as [tokens, channels] (else as the module got it)
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.request = request
+        self.device = device
+        self.names: tuple[str, ...] = tuple(getattr(request, self.field))
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        """Zero-fill, reduce over ranks (replicated modules only: a rank-local expert already saw every rank's
+        tokens) and put the result into `stats`."""
+        raise NotImplementedError
+
+
+@statistic
+class AbsMax(Statistic):
+    """Per input channel max |x| (float32 [d])."""
+
+    field = "absmax"
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(request, ranges, device)
+        self.values: dict[str, torch.Tensor] = {}
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        amax = x.abs().amax(dim=0).float()
+        prev = self.values.get(name)
+        self.values[name] = amax if prev is None else torch.maximum(prev, amax)
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        for name in self.names:
+            self.values.setdefault(name, torch.zeros(width(modules[name]), dtype=torch.float32, device=self.device))
+        shared = dist.all_reduce_max({n: v for n, v in self.values.items() if replicated(n)})
+        stats.absmax.update({**self.values, **shared})
+
+
+def grid_steps(ranges: torch.Tensor) -> torch.Tensor:
+    """Per channel, the grid step of the Hessian: range / 2^15 (exact in float32), 1 for a silent channel."""
+    r = ranges.float()
+    return torch.where(r > 0, r / (1 << HESSIAN_GRID_BITS), torch.ones_like(r))
+
+
+def exact_gram(grid: torch.Tensor) -> torch.Tensor:
+    """G^T G (int64 [d, d]) of an integer-valued float32 grid [tokens, d] with |G| <= 2^15, exactly, from float32
+    products of 8-bit digits over chunks of 2^10 tokens (module docstring)."""
+    base = float(1 << HESSIAN_DIGIT_BITS)
+    hi = torch.round(grid / base)
+    lo = grid - hi * base
+    d = grid.shape[1]
+    total = torch.zeros(d, d, dtype=torch.int64, device=grid.device)
+    for start in range(0, grid.shape[0], HESSIAN_CHUNK_TOKENS):
+        h, lo_ = hi[start:start + HESSIAN_CHUNK_TOKENS], lo[start:start + HESSIAN_CHUNK_TOKENS]
+        total.add_((h.t() @ h).to(torch.int64), alpha=1 << (2 * HESSIAN_DIGIT_BITS))
+        cross = (h.t() @ lo_).to(torch.int64)
+        total.add_(cross, alpha=1 << HESSIAN_DIGIT_BITS).add_(cross.t(), alpha=1 << HESSIAN_DIGIT_BITS)
+        del cross
+        total.add_((lo_.t() @ lo_).to(torch.int64))
+    return total
+
+
+def _too_many_tokens(name: str, limit: int) -> str:
+    return (f"{name}: more than {limit} calibration tokens reach this linear; its statistics would no longer sum "
+            f"exactly (lower spec.max_samples or spec.max_seq_len)")
+
+
+@statistic
+class Hessian(Statistic):
+    """X^T X over every token (float32 [d, d]) and the token count, from exact integer sums on the grid.
+
+    Readers of one input (an expert's w1 and w3; q, k and v) keep one Hessian: the same tensor object under each
+    name. A reader is linked to the one before it when both saw the same tensor at every call."""
+
+    field = "hessian"
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(request, ranges, device)
+        self.steps = {n: grid_steps(ranges[n]) for n in self.names}
+        self.sums: dict[str, torch.Tensor] = {}  # leader -> int64 [d, d]
+        self.tokens: dict[str, torch.Tensor] = {}  # leader -> int64 [1]
+        self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
+        self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (leader, input, step) of the last call
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        step = self.steps[name].to(x.device)
+        last = self._last
+        same = last is not None and last[1].data_ptr() == x.data_ptr() and last[1].shape == x.shape \
+            and last[1]._version == x._version and torch.equal(last[2], step)
+        if name in self.leader and self.leader[name] != name:  # a follower: its leader just recorded this input
+            if not same or last[0] != self.leader[name]:
+                raise RuntimeError(f"{name} shared its input with {self.leader[name]} and then read another one")
+            return
+        if name not in self.leader and same:  # first call: reads what the previous reader read
+            self.leader[name] = last[0]
+            return
+        self.leader[name] = name
+        limit = float(1 << HESSIAN_GRID_BITS)
+        grid = torch.round(x.float() / step).clamp_(-limit, limit)
+        gram = exact_gram(grid)
+        del grid
+        if name in self.sums:
+            self.sums[name].add_(gram)
+            self.tokens[name].add_(x.shape[0])
+        else:
+            self.sums[name] = gram
+            self.tokens[name] = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        self._last = (name, x, step)  # holding x keeps its address unique while it is compared
+        if int(self.tokens[name]) > HESSIAN_MAX_TOKENS:
+            raise UserError(_too_many_tokens(name, HESSIAN_MAX_TOKENS))
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        self._last = None
+        for name in self.names:  # a module that saw no token: zeros of its own
+            if name not in self.leader:
+                self.leader[name] = name
+                d = width(modules[name])
+                self.sums[name] = torch.zeros(d, d, dtype=torch.int64, device=self.device)
+                self.tokens[name] = torch.zeros(1, dtype=torch.int64, device=self.device)
+        leaders = sorted(self.sums)
+        shared = [n for n in leaders if replicated(n)]
+        reduced = dist.all_reduce_sum({**{f"h:{n}": self.sums[n] for n in shared},
+                                       **{f"n:{n}": self.tokens[n] for n in shared}})
+        result: dict[str, torch.Tensor] = {}
+        for n in leaders:
+            total, count = (reduced[f"h:{n}"], reduced[f"n:{n}"]) if n in shared else (self.sums[n], self.tokens[n])
+            if int(count) > HESSIAN_MAX_TOKENS:  # over all ranks
+                raise UserError(_too_many_tokens(n, HESSIAN_MAX_TOKENS))
+            del self.sums[n]
+            step = self.steps[n].to(self.device)
+            h = total.to(torch.float32)
+            del total
+            result[n] = h.mul_(step[:, None]).mul_(step[None, :])
+            stats.tokens[n] = int(count)
+        for name in self.names:
+            stats.hessian[name] = result[self.leader[name]]
+            stats.tokens[name] = stats.tokens[self.leader[name]]
+
+
+@statistic
+class TokenRanges(Statistic):
+    """Per candidate c, sum over tokens of (max_j |x_j| * inv[c, j])^2 (float32 [c]), as int64 sums on a grid of
+    the largest value the candidate can reach."""
+
+    field = "token_ranges"
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(request, ranges, device)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.quanta: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        for name, inv in request.token_ranges.items():
+            bound = (ranges[name].float().to(device)[None, :] * inv.float().to(device)).amax(dim=-1)
+            self.quanta[name] = torch.where(bound > 0, bound * bound, torch.ones_like(bound)) \
+                * 2.0 ** -TOKEN_RANGE_GRID_BITS
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        inv = self.request.token_ranges[name].to(x.device, torch.float32)
+        quanta = self.quanta[name].to(x.device)
+        xa = x.abs().float()
+        sums = torch.stack([torch.round((xa * inv[c]).amax(dim=-1).square() / quanta[c]).to(torch.int64).sum()
+                            for c in range(inv.shape[0])])
+        prev = self.sums.get(name)
+        self.sums[name] = sums if prev is None else prev.add_(sums)
+        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+        if self.counts[name] > TOKEN_RANGE_MAX_TOKENS:
+            raise UserError(_too_many_tokens(name, TOKEN_RANGE_MAX_TOKENS))
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        for name, inv in self.request.token_ranges.items():
+            self.sums.setdefault(name, torch.zeros(inv.shape[0], dtype=torch.int64, device=self.device))
+        shared = dist.all_reduce_sum({n: v for n, v in self.sums.items() if replicated(n)})
+        totals = {**self.sums, **shared}
+        stats.token_ranges.update({n: totals[n].float() * self.quanta[n] for n in self.names})
+
+
+def recall_window(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of x [rows, n]: the narrowest range [low, high] of sorted values that holds int(ratio * n) of
+    them (the first such window on ties), as msModelSlim's RecallWindowObserver picks it; float32 [rows] each.
+    Only the n - keep + 1 smallest and largest values can bound such a window, so two top-k's find it."""
+    x = x.float()
+    n = x.shape[1]
+    keep = int(ratio * n)
+    if keep >= n or keep < 1:
+        return x.amin(dim=1), x.amax(dim=1)
+    count = n - keep + 1
+    lows = torch.topk(x, count, dim=1, largest=False, sorted=True).values  # sorted[i], i = 0 .. n - keep
+    highs = torch.topk(x, count, dim=1, largest=True, sorted=True).values.flip(1)  # sorted[keep - 1 + i]
+    best = (highs - lows).argmin(dim=1, keepdim=True)
+    return lows.gather(1, best).squeeze(1), highs.gather(1, best).squeeze(1)
+
+
+@statistic
+class HeadRanges(Statistic):
+    """Per head of a [batch, heads, seq, dim] input (an FA3 point): the min of the per-sample recall-window lows
+    and the max of the highs (float32 [heads] each). Attention is replicated: every rank holds every head."""
+
+    field = "head_ranges"
+    flat_input = False  # the 4-D input as the attention point got it
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(request, ranges, device)
+        self.values: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        heads, ratio = self.request.head_ranges[name]
+        if x.dim() != 4 or x.shape[1] != heads:
+            raise ValueError(f"{name}: expected an input [batch, {heads}, seq, dim], got {list(x.shape)}")
+        low, high = recall_window(x.detach().transpose(0, 1).reshape(heads, -1), ratio)
+        prev = self.values.get(name)
+        self.values[name] = (low, high) if prev is None else (torch.minimum(prev[0], low),
+                                                              torch.maximum(prev[1], high))
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        for name, (heads, _) in self.request.head_ranges.items():  # a range always holds 0 (scales read |x|)
+            zeros = torch.zeros(heads, dtype=torch.float32, device=self.device)
+            self.values.setdefault(name, (zeros, zeros.clone()))
+        bounds = {f"low:{n}": -low for n, (low, _) in self.values.items()}
+        bounds.update({f"high:{n}": high for n, (_, high) in self.values.items()})
+        bounds = dist.all_reduce_max(bounds)
+        stats.head_ranges.update({n: (-bounds[f"low:{n}"], bounds[f"high:{n}"]) for n in self.names})
+
+
+def kinds_for(request: Observe) -> list[type[Statistic]]:
+    return [k for k in KINDS if getattr(request, k.field)]
