@@ -10,7 +10,8 @@ number of ranks in any order:
 
 - Hessians: x on a per-channel grid of 2^15 steps of its range, each grid value split into two digits of at most
   2^7; a float32 product of digits over at most 2^10 tokens sums integers below 2^24 (exact in float32 in any
-  order, also with TF32 / HF32 inputs, which hold such digits exactly), and the chunks add up in int64.
+  order, also with TF32 / HF32 inputs, which hold such digits exactly), and the chunks add up in int64, upper
+  triangle only.
 - token ranges: per token an integer on a grid of the candidate's bound, summed in int64.
 - maxima (absmax, head ranges): max is exact.
 """
@@ -97,22 +98,53 @@ def grid_steps(ranges: torch.Tensor) -> torch.Tensor:
     return torch.where(r > 0, r / (1 << HESSIAN_GRID_BITS), torch.ones_like(r))
 
 
-def exact_gram(grid: torch.Tensor) -> torch.Tensor:
-    """G^T G (int64 [d, d]) of an integer-valued float32 grid [tokens, d] with |G| <= 2^15, exactly, from float32
-    products of 8-bit digits over chunks of 2^10 tokens (module docstring)."""
+class Triangle:
+    """The upper triangle (diagonal included) of a symmetric [d, d] matrix as a packed vector of d(d+1)/2: flat
+    int32 indices of (i, j), i <= j, and of its mirror (j, i). A Hessian's integer sums are kept packed: half the
+    memory of the full matrix, and half of what the ranks exchange."""
+
+    def __init__(self, d: int, device: torch.device) -> None:
+        rows, cols = torch.triu_indices(d, d, device=device)
+        self.d = d
+        self.upper = (rows * d + cols).to(torch.int32)
+        self.lower = (cols * d + rows).to(torch.int32)
+
+    def pack(self, full: torch.Tensor) -> torch.Tensor:
+        return full.reshape(-1)[self.upper]
+
+    def pack_mirror(self, full: torch.Tensor) -> torch.Tensor:
+        """The upper triangle of full^T, without a transposed copy."""
+        return full.reshape(-1)[self.lower]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(self.d * self.d, dtype=packed.dtype, device=packed.device)
+        full[self.upper] = packed
+        full[self.lower] = packed
+        return full.view(self.d, self.d)
+
+
+def exact_gram_packed(grid: torch.Tensor, triangle: Triangle) -> torch.Tensor:
+    """The upper triangle of G^T G (int64, packed) of an integer-valued float32 grid [tokens, d] with |G| <= 2^15,
+    exactly: float32 products of 8-bit digits over chunks of 2^10 tokens, summed in int64 (module docstring)."""
     base = float(1 << HESSIAN_DIGIT_BITS)
     hi = torch.round(grid / base)
     lo = grid - hi * base
-    d = grid.shape[1]
-    total = torch.zeros(d, d, dtype=torch.int64, device=grid.device)
+    total = torch.zeros(triangle.upper.numel(), dtype=torch.int64, device=grid.device)
     for start in range(0, grid.shape[0], HESSIAN_CHUNK_TOKENS):
         h, lo_ = hi[start:start + HESSIAN_CHUNK_TOKENS], lo[start:start + HESSIAN_CHUNK_TOKENS]
-        total.add_((h.t() @ h).to(torch.int64), alpha=1 << (2 * HESSIAN_DIGIT_BITS))
-        cross = (h.t() @ lo_).to(torch.int64)
-        total.add_(cross, alpha=1 << HESSIAN_DIGIT_BITS).add_(cross.t(), alpha=1 << HESSIAN_DIGIT_BITS)
+        total.add_(triangle.pack(h.t() @ h).to(torch.int64), alpha=1 << (2 * HESSIAN_DIGIT_BITS))
+        cross = h.t() @ lo_
+        total.add_(triangle.pack(cross).to(torch.int64), alpha=1 << HESSIAN_DIGIT_BITS)
+        total.add_(triangle.pack_mirror(cross).to(torch.int64), alpha=1 << HESSIAN_DIGIT_BITS)
         del cross
-        total.add_((lo_.t() @ lo_).to(torch.int64))
+        total.add_(triangle.pack(lo_.t() @ lo_).to(torch.int64))
     return total
+
+
+def exact_gram(grid: torch.Tensor) -> torch.Tensor:
+    """G^T G (int64 [d, d]), exactly (the full form of `exact_gram_packed`)."""
+    triangle = Triangle(grid.shape[1], grid.device)
+    return triangle.unpack(exact_gram_packed(grid, triangle))
 
 
 def _too_many_tokens(name: str, limit: int) -> str:
@@ -132,7 +164,8 @@ class Hessian(Statistic):
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         super().__init__(request, ranges, device)
         self.steps = {n: grid_steps(ranges[n]) for n in self.names}
-        self.sums: dict[str, torch.Tensor] = {}  # leader -> int64 [d, d]
+        self.triangles: dict[int, Triangle] = {}  # per width, for this pass
+        self.sums: dict[str, torch.Tensor] = {}  # leader -> int64 [d (d + 1) / 2], the packed upper triangle
         self.tokens: dict[str, torch.Tensor] = {}  # leader -> int64 [1]
         self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
         self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (leader, input, step) of the last call
@@ -152,7 +185,7 @@ class Hessian(Statistic):
         self.leader[name] = name
         limit = float(1 << HESSIAN_GRID_BITS)
         grid = torch.round(x.float() / step).clamp_(-limit, limit)
-        gram = exact_gram(grid)
+        gram = exact_gram_packed(grid, self.triangle(x.shape[1], x.device))
         del grid
         if name in self.sums:
             self.sums[name].add_(gram)
@@ -164,6 +197,11 @@ class Hessian(Statistic):
         if int(self.tokens[name]) > HESSIAN_MAX_TOKENS:
             raise UserError(_too_many_tokens(name, HESSIAN_MAX_TOKENS))
 
+    def triangle(self, d: int, device: torch.device) -> Triangle:
+        if d not in self.triangles:
+            self.triangles[d] = Triangle(d, device)
+        return self.triangles[d]
+
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
         self._last = None
@@ -171,7 +209,7 @@ class Hessian(Statistic):
             if name not in self.leader:
                 self.leader[name] = name
                 d = width(modules[name])
-                self.sums[name] = torch.zeros(d, d, dtype=torch.int64, device=self.device)
+                self.sums[name] = torch.zeros(d * (d + 1) // 2, dtype=torch.int64, device=self.device)
                 self.tokens[name] = torch.zeros(1, dtype=torch.int64, device=self.device)
         leaders = sorted(self.sums)
         shared = [n for n in leaders if replicated(n)]
@@ -184,10 +222,11 @@ class Hessian(Statistic):
                 raise UserError(_too_many_tokens(n, HESSIAN_MAX_TOKENS))
             del self.sums[n]
             step = self.steps[n].to(self.device)
-            h = total.to(torch.float32)
+            h = self.triangle(step.numel(), self.device).unpack(total.to(torch.float32))
             del total
             result[n] = h.mul_(step[:, None]).mul_(step[None, :])
             stats.tokens[n] = int(count)
+        self.triangles.clear()
         for name in self.names:
             stats.hessian[name] = result[self.leader[name]]
             stats.tokens[name] = stats.tokens[self.leader[name]]
