@@ -106,19 +106,19 @@ class _Check:
         self.device = device
         self.rules = rules()
         self.first: AscendOpViolation | None = None
-        self.checked = 0  # device ops examined (inputs and results counted apart)
+        self.checked = 0  # device ops examined
         self.lock = threading.Lock()
         self._static: dict[Any, tuple[str, frozenset[str] | None, str | None, bool]] = {}  # per op overload
+        self._passed: set[tuple[Any, frozenset[torch.dtype]]] = set()  # (op overload, device dtypes) that passed
+
+    def exempt(self) -> bool:
+        """Code the NPU never runs: a branch of another device type, or host work (what tells it apart on a CPU
+        run; on an accelerator run host tensors are not the device's anyway)."""
+        return in_non_npu_branch() or (self.device.type == "cpu" and in_host_section())
 
     def device_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors of one op that live on the device (placement.py's rule)."""
-        if in_non_npu_branch():
-            return []
-        if self.device.type == "cpu":
-            if in_host_section():
-                return []
-            return [t for t in tensors if t.device.type == "cpu"]
-        return [t for t in tensors if t.device.type == self.device.type]
+        return [] if self.exempt() else [t for t in tensors if t.device.type == self.device.type]
 
     def fail(self, message: str, skip: frozenset[str] = frozenset()) -> None:
         err = AscendOpViolation(f"Ascend op check: {message} at {toolkit_frame(skip)}")
@@ -128,25 +128,34 @@ class _Check:
         raise err
 
     def op(self, func: Any, tensors: list[torch.Tensor]) -> None:
-        device = self.device_tensors(tensors)
-        if not device:
+        if self.exempt():
+            return
+        kind = self.device.type
+        dtypes = frozenset(t.dtype for t in tensors if t.device.type == kind)
+        if not dtypes:
             return
         self.checked += 1
+        if (func, dtypes) in self._passed:  # the verdict depends on the op and its dtypes only
+            return
         rule = self._static.get(func)
         if rule is None:
             rule = self._static[func] = self._op_rule(func)
         name, allowed, source, has_kernel = rule
         forbidden = self.rules["forbidden"]
-        for t in device:
-            dtype = t.dtype
+        model_may_use = False
+        for dtype in dtypes:
             why = forbidden.get(dtype)
-            if why is not None and (dtype not in _MODEL_MAY_USE or _toolkit_placed()):
-                self.fail(f"{name} on {_dtype_name(dtype)} on the device ({why})")
-            if allowed is not None and t.is_floating_point() and _dtype_name(dtype) not in allowed:
+            if why is not None:
+                if dtype not in _MODEL_MAY_USE or _toolkit_placed():
+                    self.fail(f"{name} on {_dtype_name(dtype)} on the device ({why})")
+                model_may_use = True  # allowed for this caller only: not cached
+            if allowed is not None and dtype.is_floating_point and _dtype_name(dtype) not in allowed:
                 self.fail(f"{name} on {_dtype_name(dtype)}: the NPU kernel takes {', '.join(sorted(allowed))} "
                           f"({source})")
         if not has_kernel:
             self.fail(f"{name} has no NPU kernel (not in op-plugin's or torch_npu's function lists)")
+        if not model_may_use:
+            self._passed.add((func, dtypes))
 
     def _op_rule(self, func: Any) -> tuple[str, frozenset[str] | None, str | None, bool]:
         """What the rules say of one op, whatever its tensors: (name, allowed float dtypes, source, has a kernel)."""
@@ -182,9 +191,8 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.check.op(func, _tensors(args, kwargs.values()))
         out = func(*args, **kwargs)
-        self.check.op(func, _tensors((out,)))
+        self.check.op(func, _tensors(args, kwargs.values(), (out,)))  # once per op: inputs and results
         return out
 
 

@@ -25,7 +25,8 @@ def scheme_of(description: dict[str, str], pattern: str) -> set[str]:
 
 
 @pytest.mark.skipif(not (MINI / "config.json").is_file(), reason=f"{MINI} not available")
-def test_quant_w4a8_kimi_linear_mini(tmp_path, capsys):
+def test_quant_w4a8_kimi_linear_mini(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MSMODELSLIM_ASCEND_CHECK", "1")  # the shipped practice, every device op held to A2/A3's rules
     # The shipped Kimi-Linear practice, cut to 4 calibration records of <= 128 tokens to keep the suite fast (the
     # lookup of this file by --quant_type is test_practice_lookup.py::test_shipped_lookup).
     shipped = resource_path("lab_practice") / "kimi_k3" / "kimi_linear_w4a8.yaml"

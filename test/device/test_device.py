@@ -131,3 +131,24 @@ def test_torch_npu_is_imported_only_for_npu(monkeypatch):
     monkeypatch.setattr(device_mod.importlib, "import_module", lambda name: calls.append(name) or real(name))
     parse_device("cpu:0,1")
     assert calls == []
+
+
+def test_npu_without_triton_is_a_user_error(fake_npu8, monkeypatch):
+    # fla (the checkpoint's KDA code) imports triton at import time; on an NPU host triton-ascend provides it
+    real = device_mod.importlib.util.find_spec
+    monkeypatch.setattr(device_mod.importlib.util, "find_spec", lambda name: None if name == "triton" else real(name))
+    with pytest.raises(UserError, match="imports triton, which is not installed.*triton-ascend"):
+        parse_device("npu:0")
+
+
+def test_an_npu_rank_binds_its_device_and_turns_jit_compilation_off(fake_npu8, monkeypatch):
+    calls = []
+    npu = types.SimpleNamespace(set_device=lambda d: calls.append(("set_device", d)),
+                                set_compile_mode=lambda jit_compile: calls.append(("jit_compile", jit_compile)),
+                                max_memory_allocated=lambda d: 5 * 2**30, empty_cache=lambda: calls.append("empty"))
+    monkeypatch.setattr(torch, "npu", npu, raising=False)  # what torch_npu registers on import
+    device = types.SimpleNamespace(type="npu", index=3)  # torch.device("npu", 3) needs the real backend
+    device_mod.bind_device(device)
+    device_mod.release_cached_memory(device)
+    assert calls == [("set_device", device), ("jit_compile", False), "empty"]
+    assert device_mod.peak_device_bytes(device) == 5 * 2**30

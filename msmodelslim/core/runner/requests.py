@@ -25,12 +25,13 @@ class Observe:
     """Statistics of module inputs over one calibration pass of the unit as it is now.
 
     - `absmax`: per input channel, max |x| (float32 [d]).
-    - `hessian`: X^T X over every token (float64 [d, d]), and the number of those tokens (`tokens`). The runner
-      rounds x onto a per-channel integer grid of 2^15 steps of its range, so the sums are exact integers: the
-      same on any number of ranks in any order. The range comes from `ranges` when the processor has it for the
-      unit as it is now, else from a first pass.
+    - `hessian`: X^T X over every token (float32 [d, d]), and the number of those tokens (`tokens`). The runner
+      rounds x onto a per-channel integer grid of 2^15 steps of its range and sums exactly in int64
+      (`statistics.py`): the same on any number of ranks in any order. Readers of one input get one tensor
+      (read-only). The range comes from `ranges` when the processor has it for the unit as it is now, else from a
+      first pass.
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
-      of (max_j |x_j| * inv_j)^2 (float64 [c]), the spread a per-token activation quantizer meets after the input
+      of (max_j |x_j| * inv_j)^2 (float32 [c]), the spread a per-token activation quantizer meets after the input
       is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).
     - `head_ranges`: module -> (heads, ratio) for a module whose input is [batch, heads, seq, dim] (an attention's
       FA3 point): per head the narrowest range [low, high] holding `ratio` of each sample's values (ratio 1:
