@@ -166,7 +166,9 @@ class Hessian(Statistic):
         self.steps = {n: grid_steps(ranges[n]) for n in self.names}
         self.triangles: dict[int, Triangle] = {}  # per width, for this pass
         self.sums: dict[str, torch.Tensor] = {}  # leader -> int64 [d (d + 1) / 2], the packed upper triangle
-        self.tokens: dict[str, torch.Tensor] = {}  # leader -> int64 [1]
+        self.pending: dict[str, list[torch.Tensor]] = {}  # leader -> grid rows not yet summed (< a chunk)
+        self.pending_rows: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}  # leader -> rows recorded on this rank
         self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
         self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (leader, input, step) of the last call
 
@@ -184,18 +186,30 @@ class Hessian(Statistic):
             return
         self.leader[name] = name
         limit = float(1 << HESSIAN_GRID_BITS)
-        grid = torch.round(x.float() / step).clamp_(-limit, limit)
-        gram = exact_gram_packed(grid, self.triangle(x.shape[1], x.device))
-        del grid
+        self.pending.setdefault(name, []).append(torch.round(x.float() / step).clamp_(-limit, limit))
+        self.pending_rows[name] = self.pending_rows.get(name, 0) + x.shape[0]
+        self.tokens[name] = self.tokens.get(name, 0) + x.shape[0]
+        if self.pending_rows[name] >= HESSIAN_CHUNK_TOKENS:
+            self._flush(name)
+        self._last = (name, x, step)  # holding x keeps its address unique while it is compared
+        if self.tokens[name] > HESSIAN_MAX_TOKENS:
+            raise UserError(_too_many_tokens(name, HESSIAN_MAX_TOKENS))
+
+    def _flush(self, name: str) -> None:
+        """Add the grid rows held for `name` to its sums. Calls with a few tokens each (a routed expert's) are
+        gathered up to a chunk first: the integer sums do not depend on the grouping, and one product over many
+        rows costs far less than many over a few."""
+        rows = self.pending.pop(name, None)
+        self.pending_rows.pop(name, None)
+        if not rows:
+            return
+        grid = rows[0] if len(rows) == 1 else torch.cat(rows)
+        del rows
+        gram = exact_gram_packed(grid, self.triangle(grid.shape[1], grid.device))
         if name in self.sums:
             self.sums[name].add_(gram)
-            self.tokens[name].add_(x.shape[0])
         else:
             self.sums[name] = gram
-            self.tokens[name] = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
-        self._last = (name, x, step)  # holding x keeps its address unique while it is compared
-        if int(self.tokens[name]) > HESSIAN_MAX_TOKENS:
-            raise UserError(_too_many_tokens(name, HESSIAN_MAX_TOKENS))
 
     def triangle(self, d: int, device: torch.device) -> Triangle:
         if d not in self.triangles:
@@ -205,19 +219,22 @@ class Hessian(Statistic):
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
         self._last = None
+        for name in list(self.pending):
+            self._flush(name)
         for name in self.names:  # a module that saw no token: zeros of its own
             if name not in self.leader:
                 self.leader[name] = name
                 d = width(modules[name])
                 self.sums[name] = torch.zeros(d * (d + 1) // 2, dtype=torch.int64, device=self.device)
-                self.tokens[name] = torch.zeros(1, dtype=torch.int64, device=self.device)
+                self.tokens[name] = 0
         leaders = sorted(self.sums)
         shared = [n for n in leaders if replicated(n)]
+        counts = {n: torch.tensor([self.tokens[n]], dtype=torch.int64, device=self.device) for n in leaders}
         reduced = dist.all_reduce_sum({**{f"h:{n}": self.sums[n] for n in shared},
-                                       **{f"n:{n}": self.tokens[n] for n in shared}})
+                                       **{f"n:{n}": counts[n] for n in shared}})
         result: dict[str, torch.Tensor] = {}
         for n in leaders:
-            total, count = (reduced[f"h:{n}"], reduced[f"n:{n}"]) if n in shared else (self.sums[n], self.tokens[n])
+            total, count = (reduced[f"h:{n}"], reduced[f"n:{n}"]) if n in shared else (self.sums[n], counts[n])
             if int(count) > HESSIAN_MAX_TOKENS:  # over all ranks
                 raise UserError(_too_many_tokens(n, HESSIAN_MAX_TOKENS))
             del self.sums[n]
