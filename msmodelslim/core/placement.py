@@ -5,8 +5,8 @@ operators accept (docs/npu.md). A few computations are meant for the host instea
 inverse (Ascend has no `cholesky_inverse` kernel), tables built once in float64 (Hadamard matrices, the MXFP4
 decode table), and writing the output. They run inside `host_section(...)`, which names why:
 
-    with host_section("GPTQ: Cholesky of H in float32, as msModelSlim does"):
-        h = h.cpu()
+    with host_section("GPTQ: Cholesky factor of H^-1 (Ascend has no cholesky_inverse)"):
+        host = h.to("cpu", torch.float64)
         ...
 
 The section is the design, not an annotation: code in it moves its inputs to the CPU itself and its results back,
@@ -38,21 +38,14 @@ def in_host_section() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-def host_section_reason() -> str | None:
-    reasons = getattr(_state, "reasons", None)
-    return reasons[-1] if reasons else None
-
-
 @contextmanager
 def host_section(reason: str) -> Iterator[None]:
-    """Mark the enclosed computation as host work (`reason` says why it belongs there)."""
+    """Mark the enclosed computation as host work (`reason` says, to the reader, why it belongs there)."""
     _state.depth = getattr(_state, "depth", 0) + 1
-    _state.reasons = [*getattr(_state, "reasons", []), reason]
     try:
         yield
     finally:
         _state.depth -= 1
-        _state.reasons = _state.reasons[:-1]
 
 
 def on_host(reason: str) -> Callable[[F], F]:

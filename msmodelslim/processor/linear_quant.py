@@ -201,15 +201,13 @@ class LinearQuantProcessor(Processor):
         else:  # a batch of one shape: stacked, quantized by one batched GPTQ
             w, h, n = torch.stack(weights), None, None
             if hessians[0] is not None:  # readers of one input (w1, w3) hold one Hessian object: stacked once
-                slot: dict[int, int] = {}
-                firsts: list[int] = []
+                first: dict[int, int] = {}  # id(Hessian) -> its first matrix in the batch
                 for i, m in enumerate(hessians):
-                    if id(m) not in slot:
-                        slot[id(m)] = len(firsts)
-                        firsts.append(i)
+                    first.setdefault(id(m), i)
+                slot = {key: k for k, key in enumerate(first)}
                 index = torch.tensor([slot[id(m)] for m in hessians])
-                h = torch.stack([hessians[i] for i in firsts])
-                n = torch.tensor([tokens[i] for i in firsts])
+                h = torch.stack([hessians[i] for i in first.values()])
+                n = torch.tensor([tokens[i] for i in first.values()])
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
                                    hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index)
         if len(weights) == 1:

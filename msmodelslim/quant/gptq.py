@@ -60,9 +60,10 @@ def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
     """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for a batch [B, d, d] of positive definite H, on the host.
 
     Ascend has no `cholesky_inverse` kernel, and its Cholesky takes float32 only and falls back to the CPU through
-    `linalg_cholesky_ex`, so off CUDA this runs deliberately on the host, batched, as msModelSlim does. The host computes in float64 and rounds once to float32: float32 factors
-    computed with another thread count differ in their last bits, float64 ones almost never after the rounding,
-    which keeps a DP run's output that of one device. One factorisation and one triangular inverse: with J the
+    `linalg_cholesky_ex`, so off CUDA this runs deliberately on the host, batched, as msModelSlim does. The host
+    computes in float64 and rounds once to float32: float32 factors computed with another thread count differ in
+    their last bits, float64 ones almost never after the rounding, which keeps a DP run's output that of one
+    device. One factorisation and one triangular inverse: with J the
     reversal, J H J = K K^T gives H = R R^T for the upper R = J K J, so H^-1 = (R^-1)^T R^-1 and U = R^-1 (upper,
     positive diagonal: the unique factor)."""
     device = h.device

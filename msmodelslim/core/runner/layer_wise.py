@@ -74,10 +74,11 @@ class LayerWiseRunner:
         units = self.adapter.units()
         device = self.dist.device
         states = [dict(s) for s in samples]
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if self.prefetch else None
+        # the prefetch thread binds the rank's device once (else its work lands on device 0)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=bind_device,
+                                  initargs=(device,)) if self.prefetch else None
 
         def load_in_thread(unit: Unit) -> nn.Module:
-            bind_device(device)  # this thread's work lands on the rank's device, not device 0
             with ascend_check.watching():
                 return self.adapter.load_unit(unit, device)
 

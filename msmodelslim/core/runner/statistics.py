@@ -104,10 +104,10 @@ class Triangle:
     memory of the full matrix, and half of what the ranks exchange."""
 
     def __init__(self, d: int, device: torch.device) -> None:
-        rows, cols = torch.triu_indices(d, d, device=device)
+        rows, cols = torch.triu_indices(d, d, device=device, dtype=torch.int32)  # d * d < 2^31 for d < 46341
         self.d = d
-        self.upper = (rows * d + cols).to(torch.int32)
-        self.lower = (cols * d + rows).to(torch.int32)
+        self.upper = rows * d + cols
+        self.lower = cols * d + rows
 
     def pack(self, full: torch.Tensor) -> torch.Tensor:
         return full.reshape(-1)[self.upper]
