@@ -7,6 +7,7 @@ parallel), so a multi-device run produces the single-device bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -145,18 +146,23 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path]) -> None:
-    """A rank outlives a killed main process only by a moment: it removes the run's temporary folders (rank 0)
-    and exits, so no orphan goes on computing or writing into an output nobody will publish."""
+def _remove_orphaned_output(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _stop_with_main(main_pid: int, cleanup: list[Path]) -> None:
+    """A rank outlives a killed main process only by a moment: it removes the run's temporary folders and exits, so
+    no orphan goes on computing or writing into an output nobody will publish. Every rank removes them: the first
+    to notice exits, and its peers may then fail in a collective before their own watchdog looks (run_worker's
+    exit path removes them again for that case)."""
     def watch() -> None:
         while _alive(main_pid):
             time.sleep(0.5)
-        if rank == 0:
-            for path in cleanup:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+        _remove_orphaned_output(cleanup)
         os._exit(1)
 
     threading.Thread(target=watch, name="main-watchdog", daemon=True).start()
@@ -173,11 +179,11 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
     world = request.device.world_size
     device = request.device.torch_device(rank)
     bind_device(device)
+    orphaned_output = [request.work_dir, *request.orphan_cleanup] + ([Path(failures)] if failures else [])
     if world > 1:
         configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
         if main_pid is not None:
-            _stop_with_main(main_pid, rank, [request.work_dir, *request.orphan_cleanup]
-                            + ([Path(failures)] if failures else []))
+            _stop_with_main(main_pid, orphaned_output)
         # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist = DistContext(rank=rank, world_size=world, device=device)
@@ -219,14 +225,17 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if not user:  # a bad input is reported once, as one line, by the CLI; anything else keeps its traceback
             logger.exception("rank %d of %d failed", rank, world)
         if failures:
-            Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}",
-                                                                 "user": user}))
+            with contextlib.suppress(OSError):  # the folder is gone when the main process died first
+                Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}",
+                                                                     "user": user}))
         raise
     finally:
         if adapter is not None:
             adapter.close()  # the checkpoint's classes get their own code back
         if world > 1 and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+        if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
+            _remove_orphaned_output(orphaned_output)
 
 
 def run_service(request: QuantRequest) -> None:
