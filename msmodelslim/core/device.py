@@ -130,6 +130,14 @@ def peak_device_bytes(device: torch.device) -> int | None:
     return None
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (stage timings of an asynchronous device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
 def release_cached_memory(device: torch.device) -> None:
     """Hand the caching allocator's free blocks back to the device (between units, whose shapes differ)."""
     if device.type == "cuda":

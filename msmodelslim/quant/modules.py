@@ -102,7 +102,7 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_i
     elif method == "gptq":
         if hessian is None:
             raise ValueError("weight method 'gptq' needs the input Hessian")
-        scale = gptq_scale(w, hessian if hessian_index is None else hessian[hessian_index.to(hessian.device)], dtype)
+        scale = gptq_scale(w, hessian, dtype, hessian_index)
     else:
         raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
     if scale_dtype != torch.float32:

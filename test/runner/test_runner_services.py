@@ -118,6 +118,18 @@ def test_a_generator_processor_gets_its_answers():
     assert torch.equal(seen["jobs"]["j1"]["y"], torch.full((2,), 1.0))
 
 
+def test_each_answer_is_timed_by_its_request_kind():
+    """run_processor reports how long each answer took, by kind: one calibration pass, one job round."""
+    class Asks:
+        def process_unit(self, ctx):
+            yield Observe(absmax=("a",))
+            yield Jobs(_jobs())
+
+    timed: list[tuple[str, float]] = []
+    run_processor(Asks(), context(two_readers(), [tokens()]), timed=lambda kind, s: timed.append((kind, s)))
+    assert [kind for kind, _ in timed] == ["observe", "jobs"] and all(s >= 0 for _, s in timed)
+
+
 def _jobs(calls: list | None = None) -> list[Job]:
     def make(i: int):
         def run():

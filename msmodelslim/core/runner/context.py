@@ -8,6 +8,7 @@ and every collective a processor needs, so processors are transforms and stay ra
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.device import synchronize
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.core.runner.statistics import kinds_for
@@ -35,8 +37,10 @@ class UnitContext:
         return self.dist.device
 
 
-def run_processor(processor: Any, ctx: UnitContext) -> None:
-    """Apply one processor to the unit, answering each request it yields."""
+def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None) -> None:
+    """Apply one processor to the unit, answering each request it yields. `timed(kind, seconds)` is told how long
+    each answer took (kind: observe, reduce, jobs), the device synchronized, so a run's profile shows where a
+    processor's time goes: calibration passes, collectives or its own heavy work."""
     steps = processor.process_unit(ctx)
     if not inspect.isgenerator(steps):
         return
@@ -46,7 +50,11 @@ def run_processor(processor: Any, ctx: UnitContext) -> None:
             request = steps.send(reply)
         except StopIteration:
             return
+        start = time.perf_counter()
         reply = serve(ctx, request)
+        if timed is not None:
+            synchronize(ctx.device)
+            timed(type(request).__name__.lower(), time.perf_counter() - start)
 
 
 def serve(ctx: UnitContext, request: Any) -> Any:

@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunStats:
     """Seconds per stage summed over units (with prefetch, load counts only the time spent waiting for a unit);
-    `process.<type>` splits the process stage by processor (a type listed twice is summed)."""
+    `process.<type>` splits the process stage by processor (a type listed twice is summed), and within it
+    `observe.<type>` (calibration passes with their reductions), `reduce.<type>` and `jobs.<type>` (its heavy
+    work, collectives included) say where that time went."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     units: int = 0
@@ -107,7 +109,8 @@ class LayerWiseRunner:
                                   run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
                 for processor in self.processors:
                     t1 = time.perf_counter()
-                    run_processor(processor, ctx)
+                    run_processor(processor, ctx, timed=lambda kind, sec, p=processor.name:
+                                  self.stats.add(f"{kind}.{p}", sec))
                     self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 
