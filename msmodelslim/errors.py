@@ -17,3 +17,8 @@ class Terminated(BaseException):
     def __init__(self, signum: int = 15) -> None:
         super().__init__(f"terminated by signal {signum}")
         self.signum = signum
+
+
+class RankLost(RuntimeError):
+    """A collective failed because another rank stopped or cannot be reached. This rank stops with one line and
+    exit status 1; the rank that failed first says why (the built-in launcher reports that one)."""

@@ -19,15 +19,18 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from msmodelslim.app.practice import ChosenPractice, choose_practice
+from msmodelslim.core import torchrun
 from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
+from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
 from msmodelslim.model.registry import ModelEntry, load_registry
 
@@ -37,6 +40,7 @@ DESCRIPTION_FILE = "quant_model_description.json"
 NAME_MAX = 255  # bytes in one path component (Linux, most file systems)
 _SUFFIX_ROOM = 40  # what the temporary and lock names add to the output's name
 FILE_MODE, DIR_MODE = 0o644, 0o755  # every file and folder of a published output
+_SHARED_TOKEN = ".shared-token"  # torchrun: rank 0 writes it in the temporary output, every rank must read it
 
 
 @dataclass
@@ -61,6 +65,7 @@ class QuantResult:
     seconds: float
     files: int
     bytes: int
+    is_main: bool = True  # False on the ranks of a torchrun job other than 0 (rank 0 publishes)
 
 
 @dataclass
@@ -131,7 +136,7 @@ def _check_expert_split(model_path: Path, config: dict[str, Any], device: Device
         )
 
 
-def _plan(args: QuantArgs) -> _Plan:
+def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     """Every check that needs no model weights, in the order a user would fix them."""
     model_path = Path(args.model_path).expanduser().resolve()
     save_path = Path(args.save_path).expanduser().absolute()
@@ -142,7 +147,7 @@ def _plan(args: QuantArgs) -> _Plan:
     entry = load_registry().resolve(args.model_type)
     entry.check_dependencies()
     chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path)
-    device = parse_device(args.device)
+    device = parse_device(args.device, place)
     _check_expert_split(model_path, config, device)
     spec = chosen.practice.spec
     records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
@@ -292,10 +297,97 @@ def _make_work_dir(save_path: Path) -> Path:
     return work_dir
 
 
+def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
+    """Check what the ranks wrote, add the practice, publish with one rename."""
+    if not (work_dir / DESCRIPTION_FILE).is_file():
+        raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
+    _check_label_kept(work_dir, plan.chosen)
+    shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
+    _publish(work_dir, plan.save_path)
+
+
+def _remove_output(work_dir: Path, *files: Path) -> None:
+    """Remove a failed run's temporary output, with SIGINT / SIGTERM held back meanwhile: under torchrun the
+    agent signals every rank as soon as one fails, and a signal must not cut the removal short."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        for path in files:
+            path.unlink(missing_ok=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
+    """The built-in launch: this process holds the output and starts one process per device of this host."""
+    with _sigterm_raises(), _output_lock(plan.save_path):
+        _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
+        _check_free_space(plan.model_path, plan.save_path)
+        work_dir = _make_work_dir(plan.save_path)
+        try:
+            _run_service(plan, args, work_dir)
+            _finish_output(plan, args, work_dir)
+        except BaseException:
+            _remove_output(work_dir)
+            raise
+
+
+def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
+    """One rank of a torchrun job. Rank 0 holds the output (lock, temporary folder, publish), as the built-in
+    launcher's main process does; every rank checks that it sees that folder (one shared directory on every node)
+    before any compute. On a failure every rank removes the temporary output: the rank that held it may be gone."""
+    with _sigterm_raises():
+        torchrun.join(place, plan.device.backend, plan.device.torch_device(place.rank))
+        try:
+            with contextlib.ExitStack() as held:
+                work_dir, error, token = None, None, uuid.uuid4().hex
+                if place.is_main:
+                    try:
+                        held.enter_context(_output_lock(plan.save_path))
+                        _check_save_path(plan.model_path, plan.save_path)
+                        _check_free_space(plan.model_path, plan.save_path)
+                        work_dir = _make_work_dir(plan.save_path)
+                        (work_dir / _SHARED_TOKEN).write_text(token)
+                    except UserError as exc:
+                        error = str(exc)
+                work_dir, token, error = torchrun.share((work_dir, token, error))
+                if error:
+                    raise UserError(error)
+                try:
+                    _check_shared(plan.save_path, work_dir, token, place)
+                    _run_service(plan, args, work_dir)
+                    if place.is_main:
+                        _finish_output(plan, args, work_dir)
+                except BaseException:
+                    # rank 0 may have been killed holding the lock
+                    _remove_output(work_dir, *(() if place.is_main else (_side_name(plan.save_path, "lock"),)))
+                    raise
+        finally:
+            torchrun.leave()
+
+
+def _check_shared(save_path: Path, work_dir: Path, token: str, place: TorchrunRank) -> None:
+    """Every rank reads rank 0's token in the temporary output, or the run stops before any compute."""
+    try:
+        seen = (work_dir / _SHARED_TOKEN).read_text() == token
+    except OSError:
+        seen = False
+    blind = [(rank, host) for rank, host, ok in torchrun.gather((place.rank, torchrun.host(), seen)) if not ok]
+    if place.is_main:
+        (work_dir / _SHARED_TOKEN).unlink()  # every rank has looked: gather is collective
+    if blind:
+        rank, host = blind[0]
+        raise UserError(f"--save_path {save_path}: under torchrun it must be one directory that every node sees (a "
+                        f"shared file system), but rank {rank} on {host} does not see {work_dir}, written by rank 0 "
+                        f"({len(blind)} rank(s) blind)")
+
+
 def quant(args: QuantArgs) -> QuantResult:
-    """Run one quantization; raises UserError (nothing written) for bad input."""
+    """Run one quantization; raises UserError (nothing written) for bad input. Under torchrun this is one rank
+    of the job (core/torchrun.py); the result of a rank other than 0 reports no files."""
     start = time.perf_counter()
-    plan = _plan(args)
+    place = TorchrunRank.from_environment()
+    plan = _plan(args, place)
     logger.info("model_type %s -> %s (%s); practice %s; device %s", args.model_type, plan.entry.group,
                 plan.entry.entry_point, plan.chosen.path, plan.device)
     if args.tag:
@@ -304,21 +396,12 @@ def quant(args: QuantArgs) -> QuantResult:
         plan.save_path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--save_path {plan.save_path}: cannot create {exc.filename} ({exc.strerror})") from None
-    with _sigterm_raises(), _output_lock(plan.save_path):
-        _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
-        _check_free_space(plan.model_path, plan.save_path)
-        work_dir = _make_work_dir(plan.save_path)
-        try:
-            _run_service(plan, args, work_dir)
-            if not (work_dir / DESCRIPTION_FILE).is_file():
-                raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
-            _check_label_kept(work_dir, plan.chosen)
-            shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
-            _publish(work_dir, plan.save_path)
-        except BaseException:
-            shutil.rmtree(work_dir, ignore_errors=True)
-            raise
-    files = [p for p in plan.save_path.rglob("*") if p.is_file()]
+    if place is None:
+        _quant_spawned(plan, args)
+    else:
+        _quant_torchrun(plan, args, place)
+    main = place is None or place.is_main
+    files = [p for p in plan.save_path.rglob("*") if p.is_file()] if main else []
     return QuantResult(
         save_path=plan.save_path,
         practice_path=plan.chosen.path,
@@ -328,4 +411,5 @@ def quant(args: QuantArgs) -> QuantResult:
         seconds=time.perf_counter() - start,
         files=len(files),
         bytes=sum(p.stat().st_size for p in files),
+        is_main=main,
     )

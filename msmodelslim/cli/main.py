@@ -1,7 +1,7 @@
 """`msmodelslim quant ...` and `msmodelslim eval ...`: argument parsing, logging set-up and the final summary.
 
 Exit status: 0 done; 2 bad input (one line `msmodelslim: error: ...`, no traceback); 1 an unexpected failure
-(traceback kept); 130 interrupted (SIGINT), 143 terminated (SIGTERM): every rank stopped, nothing left behind.
+(traceback kept), or a rank that lost its peers (one line: the rank that failed first says why); 130 interrupted (SIGINT), 143 terminated (SIGTERM): every rank stopped, nothing left behind.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from msmodelslim.errors import Terminated, UserError
+from msmodelslim.errors import RankLost, Terminated, UserError
 from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 
 
@@ -80,12 +80,16 @@ def _run_quant(ns: argparse.Namespace) -> int:
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tag=ns.tag,
     ))
     meta = result.practice.metadata
+    if not result.is_main:  # a torchrun rank other than 0: rank 0 prints the summary
+        print(f"msmodelslim quant: {result.device.torchrun.describe()} done in {result.seconds:.1f} s")
+        return 0
     print(f"msmodelslim quant: done in {result.seconds:.1f} s")
     print(f"  model      {result.model_type} ({ns.model_path})")
     print(f"  practice   {meta.config_id} ({result.practice.quant_type}, score {meta.score:g}) from "
           f"{result.practice_path}")
+    launch = ", torchrun" if result.device.torchrun else ""
     print(f"  device     {result.device} ({result.device.world_size} process"
-          f"{'es' if result.device.world_size > 1 else ''}, {result.device.backend})")
+          f"{'es' if result.device.world_size > 1 else ''}, {result.device.backend}{launch})")
     print(f"  output     {result.save_path} ({result.files} files, {_size(result.bytes)}; "
           f"practice copied to {practice_file_name(result.model_type)})")
     return 0
@@ -129,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"msmodelslim: error: {exc}", file=sys.stderr)
         return 2
+    except RankLost as exc:
+        print(f"msmodelslim: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("msmodelslim: interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -20,14 +21,15 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Devices of one run: one process per index."""
+    """Devices of one run: one process per index, or, under torchrun, this process's one device of the job."""
 
     type: str  # "cpu" | "cuda" | "npu"
     indices: tuple[int, ...]
+    torchrun: TorchrunRank | None = None  # started by torchrun: `indices` holds this process's device
 
     @property
     def world_size(self) -> int:
-        return len(self.indices)
+        return self.torchrun.world_size if self.torchrun else len(self.indices)
 
     @property
     def backend(self) -> str:
@@ -36,14 +38,15 @@ class DeviceSpec:
 
     def torch_device(self, rank: int) -> torch.device:
         """The device process `rank` runs on (cpu slots all map to the one CPU device)."""
-        if not 0 <= rank < self.world_size:
+        if not 0 <= rank < self.world_size or (self.torchrun and rank != self.torchrun.rank):
             raise IndexError(f"rank {rank} out of range for {self} (world size {self.world_size})")
         if self.type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.type, self.indices[rank])
+        return torch.device(self.type, self.indices[0 if self.torchrun else rank])
 
     def __str__(self) -> str:
-        return f"{self.type}:{','.join(str(i) for i in self.indices)}"
+        where = f"{self.type}:{','.join(str(i) for i in self.indices)}"
+        return f"{where}, {self.torchrun.describe()}" if self.torchrun else where
 
 
 def _visible_count(device_type: str, text: str) -> int:
@@ -87,8 +90,11 @@ def _parse_indices(part: str, text: str) -> tuple[int, ...]:
     return tuple(indices)
 
 
-def parse_device(text: str) -> DeviceSpec:
-    """Parse `npu`, `npu:0,1,...`, `cuda`, `cuda:0,1`, `cpu`, `cpu:0,1` (a bare type means index 0)."""
+def parse_device(text: str, torchrun: TorchrunRank | None = None) -> DeviceSpec:
+    """Parse `npu`, `npu:0,1,...`, `cuda`, `cuda:0,1`, `cpu`, `cpu:0,1` (a bare type means index 0).
+
+    Under torchrun (`torchrun` given) the list names the devices of one node, one per local rank, and this
+    process takes the one of its LOCAL_RANK; a bare type means device LOCAL_RANK."""
     raw = text.strip()
     device_type, sep, rest = raw.partition(":")
     device_type = device_type.strip().lower()
@@ -97,6 +103,15 @@ def parse_device(text: str) -> DeviceSpec:
     if sep and not rest.strip():
         raise UserError(f"--device {text!r}: no device index after ':'")
     indices = _parse_indices(rest, text) if sep else (0,)
+    if torchrun is not None:
+        if not sep:
+            indices = (torchrun.local_rank,) if device_type != "cpu" else (0,)
+        elif len(indices) != torchrun.local_world_size:
+            raise UserError(f"--device {text!r} names {len(indices)} device(s), but torchrun starts "
+                            f"{torchrun.local_world_size} process(es) per node (--nproc-per-node); name one device "
+                            f"per process, or give the bare type ({device_type}) for device LOCAL_RANK")
+        else:
+            indices = (indices[torchrun.local_rank],)
     if device_type != "cpu":
         count = _visible_count(device_type, text)
         too_high = [i for i in indices if i >= count]
@@ -105,7 +120,7 @@ def parse_device(text: str) -> DeviceSpec:
                 f"--device {text!r}: {device_type} index {too_high[0]} out of range; "
                 f"{count} {device_type} device(s) visible (indices 0..{count - 1})"
             )
-    return DeviceSpec(device_type, indices)
+    return DeviceSpec(device_type, indices, torchrun)
 
 
 def bind_device(device: torch.device) -> None:

@@ -7,12 +7,15 @@ shown to the Ascend op check first, also on a single rank, so a CPU run finds a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
 
 from msmodelslim.core.ascend_check import check_collective
+from msmodelslim.errors import RankLost
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,21 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """A collective that fails because a peer is gone becomes one line naming this rank (not a backend
+        traceback on every surviving rank)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            detail = " ".join(str(exc).split())[:160]
+            raise RankLost(f"rank {self.rank} of {self.world_size}: {name} failed, another rank stopped or cannot be "
+                           f"reached; the first rank to fail says why ({detail})") from None
+
     def barrier(self) -> None:
         if self.is_distributed:
-            torch_dist.barrier()
+            with self._collective("barrier"):
+                torch_dist.barrier()
 
     def all_reduce_max(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Element-wise max of same-shaped statistics over ranks: one collective, names in sorted order.
@@ -64,7 +79,8 @@ class DistContext:
         if not self.is_distributed:
             return stats
         flat = torch.cat([stats[n].reshape(-1).to(self.device, dtype) for n in names])
-        torch_dist.all_reduce(flat, op=op)
+        with self._collective("all_reduce"):
+            torch_dist.all_reduce(flat, op=op)
         out, offset = {}, 0
         for n in names:
             numel = stats[n].numel()
@@ -79,12 +95,14 @@ class DistContext:
         check_collective("all_gather", t.dtype)
         count = torch.tensor([t.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(count) for _ in range(self.world_size)]
-        torch_dist.all_gather(counts, count)
+        with self._collective("all_gather"):
+            torch_dist.all_gather(counts, count)
         sizes = [int(c.item()) for c in counts]
         padded = t.new_zeros((max(sizes), t.shape[1]))
         padded[: t.shape[0]] = t
         blocks = [torch.empty_like(padded) for _ in range(self.world_size)]
-        torch_dist.all_gather(blocks, padded.contiguous())
+        with self._collective("all_gather"):
+            torch_dist.all_gather(blocks, padded.contiguous())
         return [b[:n] for b, n in zip(blocks, sizes)]
 
     def exchange_sum(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -97,7 +115,8 @@ class DistContext:
         check_collective("all_to_all", mine.dtype)
         send = torch.cat([p.reshape(-1) for p in parts])
         recv = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        torch_dist.all_to_all_single(recv, send, [mine.numel()] * self.world_size, [p.numel() for p in parts])
+        with self._collective("all_to_all"):
+            torch_dist.all_to_all_single(recv, send, [mine.numel()] * self.world_size, [p.numel() for p in parts])
         return recv.view(self.world_size, *mine.shape).sum(dim=0)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -106,7 +125,8 @@ class DistContext:
         if not self.is_distributed:
             return tensor
         buf = tensor.to(self.device)
-        torch_dist.broadcast(buf, src=src)
+        with self._collective("broadcast"):
+            torch_dist.broadcast(buf, src=src)
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor

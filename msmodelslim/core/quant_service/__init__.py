@@ -32,7 +32,7 @@ from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.layer_wise import LayerWiseRunner
-from msmodelslim.errors import UserError
+from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.processor.linear_quant import check_fused_groups, planned_schemes
@@ -178,6 +178,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
     spec = request.practice.spec
     world = request.device.world_size
     device = request.device.torch_device(rank)
+    torchrun = request.device.torchrun  # then the launch has joined the ranks already (core/torchrun.py)
     bind_device(device)
     orphaned_output = [request.work_dir, *request.orphan_cleanup] + ([Path(failures)] if failures else [])
     if world > 1:
@@ -185,11 +186,11 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if main_pid is not None:
             _stop_with_main(main_pid, orphaned_output)
         # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (torchrun.local_world_size if torchrun else world)))
     dist = DistContext(rank=rank, world_size=world, device=device)
     adapter = None
     try:
-        if world > 1:
+        if world > 1 and torchrun is None:
             _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
         samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
@@ -222,7 +223,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         return result
     except Exception as exc:
         user = isinstance(exc, UserError)
-        if not user:  # a bad input is reported once, as one line, by the CLI; anything else keeps its traceback
+        if not user and not isinstance(exc, RankLost):  # those are one line (the CLI's); anything else is a bug
+            # or an environment failure and keeps its traceback
             logger.exception("rank %d of %d failed", rank, world)
         if failures:
             with contextlib.suppress(OSError):  # the folder is gone when the main process died first
@@ -232,7 +234,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
     finally:
         if adapter is not None:
             adapter.close()  # the checkpoint's classes get their own code back
-        if world > 1 and torch_dist.is_initialized():
+        if world > 1 and torchrun is None and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
             _remove_orphaned_output(orphaned_output)
@@ -246,8 +248,8 @@ def run_service(request: QuantRequest) -> None:
     world = request.device.world_size
     logger.info("%s: %d calibration records on %d device(s) (%s)", request.practice.apiversion, len(records),
                 world, request.device)
-    if world == 1:
-        run_worker(0, request, records, None)
+    if world == 1 or request.device.torchrun:  # one rank in this process
+        run_worker(request.device.torchrun.rank if request.device.torchrun else 0, request, records, None)
         return
     meet = Rendezvous.from_environment()
     logger.info("ranks meet at %s", meet.describe())

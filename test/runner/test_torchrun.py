@@ -1,0 +1,179 @@
+"""Runs under torchrun (CPU, gloo): one rank per process, the ranks meet through torchrun's environment.
+
+References: the single-process output of the same command (every tensor byte for byte, the description equal:
+`assert_same_bytes`); for failures, exit statuses, the `msmodelslim: error:` lines, the process table (every process
+of a run carries a marker in its environment) and a listing of the save directory's parent. Real torchrun
+subprocesses (`python -m torch.distributed.run`), the shipped W4A8 practice shrunk to 5 samples of 96 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.app.quant import QuantArgs, quant
+from msmodelslim.core.device import parse_device
+from msmodelslim.core.torchrun import TorchrunRank
+from msmodelslim.errors import UserError
+
+from .dp_helpers import REPO, assert_same_bytes, shrunken_practice
+
+MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
+
+
+@pytest.fixture(scope="module")
+def practice(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml",
+                             tmp_path_factory.mktemp("practice") / "p.yaml", max_samples=5, max_seq_len=96)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process output every torchrun layout must reproduce."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    quant(QuantArgs(model_path=str(tiny_k3_checkpoint), save_path=str(out), device="cpu", model_type="Kimi-K3",
+                    config_path=str(practice), trust_remote_code=True))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(launch: list[str], model: Path, save_path: str, practice: Path, cwd: Path, marker: str = "",
+             hide: Path | None = None) -> subprocess.Popen:
+    """`torchrun LAUNCH -m msmodelslim.cli.main quant ...`; with `hide`, in a mount namespace of its own where that
+    folder is an empty tmpfs (a node that does not see the shared file system)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "msmodelslim.cli.main", "quant",
+           "--model_path", str(model), "--save_path", save_path, "--device", "cpu", "--model_type", "Kimi-K3",
+           "--config_path", str(practice), "--trust_remote_code", "True"]
+    if hide is not None:
+        cmd = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *cmd]
+    env = {**os.environ, MARKER_ENV: marker or uuid.uuid4().hex, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def two_nodes(port: int) -> list[list[str]]:
+    """`torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --rdzv-endpoint 127.0.0.1:PORT`, R = 0, 1."""
+    return [["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test"] for r in range(2)]
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 240) -> list[tuple[int, str]]:
+    return [(p.wait(timeout), p.stdout.read()) for p in procs]
+
+
+def test_two_processes_on_one_host_give_the_single_process_output(tiny_k3_checkpoint, practice, single, tmp_path):
+    (code, log), = finish(torchrun(["--nproc-per-node", "2"], tiny_k3_checkpoint, str(tmp_path / "out"), practice,
+                                   tmp_path))
+    assert code == 0, log[-3000:]
+    assert "torchrun rank 1 of 2 (local 1 of 2) done" in log and "(2 processes, gloo, torchrun)" in log
+    assert assert_same_bytes(single, tmp_path / "out") > 100
+
+
+def test_two_nodes_of_one_process_give_the_single_process_output(tiny_k3_checkpoint, practice, single, tmp_path):
+    procs = [torchrun(launch, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path)
+             for launch in two_nodes(free_port())]
+    for code, log in finish(*procs):
+        assert code == 0, log[-3000:]
+    assert assert_same_bytes(single, tmp_path / "out") > 100
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no lock, no temporary folder, no token left
+
+
+def can_hide_a_folder() -> bool:
+    """Mount namespaces (root, or a kernel that allows them): the stand-in for a node without the shared folder."""
+    try:
+        return subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs none /mnt"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not can_hide_a_folder(), reason="needs `unshare --mount` (root) to give one node its own view")
+def test_a_save_path_one_node_does_not_see_stops_every_rank_before_any_compute(tiny_k3_checkpoint, practice,
+                                                                              tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    node0, node1 = two_nodes(free_port())
+    procs = [torchrun(node0, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path),
+             torchrun(node1, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path, hide=shared)]
+    for code, log in finish(*procs):
+        errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
+        assert code != 0 and len(errors) == 1, log[-3000:]
+        assert "must be one directory that every node sees" in errors[0] and "rank 1 on" in errors[0]
+        assert "holds experts" not in log  # stopped before loading a weight
+    assert os.listdir(shared) == []
+
+
+def marked(marker: str) -> dict[int, int]:
+    """pid -> RANK of the live msmodelslim processes of the run carrying `marker`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+            cmdline = (proc / "cmdline").read_text()
+        except (OSError, ValueError):
+            continue
+        if env.get(MARKER_ENV) == marker and "RANK" in env and "msmodelslim.cli.main" in cmdline and state != "Z":
+            found[int(proc.name)] = int(env["RANK"])
+    return found
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank 0, which holds the output", "rank 1"])
+def test_a_killed_rank_stops_every_rank_and_publishes_nothing(tiny_k3_checkpoint, practice, tmp_path, victim):
+    marker = uuid.uuid4().hex
+    proc = torchrun(["--nproc-per-node", "2"], tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path, marker)
+    deadline = time.monotonic() + 120
+    while not any(".out.tmp-" in p for p in os.listdir(tmp_path)) or len(marked(marker)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
+        time.sleep(0.1)
+    time.sleep(2.0)  # both ranks computing
+    os.kill(next(pid for pid, rank in marked(marker).items() if rank == victim), signal.SIGKILL)
+    (code, log), = finish(proc)
+    assert code != 0
+    survivor = [line for line in log.splitlines() if line.startswith("msmodelslim: ")]
+    assert len(survivor) == 1, log[-3000:]  # the survivor's one line (terminated, or the peer it lost)
+    ours = [line for line in log.splitlines() if 'File "' in line and f"{os.sep}msmodelslim{os.sep}" in line]
+    assert not ours, log[-3000:]  # no traceback through the toolkit (torchrun prints its own report)
+    deadline = time.monotonic() + 15
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked(marker) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_torchrun_environment_places_the_rank(monkeypatch):
+    for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    place = TorchrunRank.from_environment()
+    assert place == TorchrunRank(3, 4, 1, 2, "10.0.0.1:29500")
+    spec = parse_device("cpu:0,1", place)
+    assert spec.world_size == 4 and spec.indices == (1,)
+    with pytest.raises(UserError, match=r"names 3 device\(s\), but torchrun starts 2 process\(es\) per node"):
+        parse_device("cpu:0,1,2", place)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UserError, match="inconsistent: RANK=3 WORLD_SIZE=4 LOCAL_RANK=2 LOCAL_WORLD_SIZE=2"):
+        TorchrunRank.from_environment()
+    monkeypatch.delenv("RANK")
+    with pytest.raises(UserError, match=r"\$RANK is not"):
+        TorchrunRank.from_environment()
+
+
+def test_without_torchrun_the_built_in_launcher_stays(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a preset rendezvous alone is no torchrun launch
+    assert TorchrunRank.from_environment() is None
