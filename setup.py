@@ -38,6 +38,6 @@ setup(
     },
     include_package_data=True,
     package_data={**{f"msmodelslim.resources.{r}": globs for r, globs in RESOURCES.items()},
-                  "msmodelslim.core": ["ascend_a2a3_rules.json"]},
+                  "msmodelslim.core": ["ascend_a2a3_rules.json"], "msmodelslim.app": ["plan_records.json"]},
     entry_points={"console_scripts": ["msmodelslim=msmodelslim.cli.main:main"]},
 )

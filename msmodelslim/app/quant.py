@@ -249,9 +249,10 @@ def _check_free_space(model_path: Path, save_path: Path) -> None:
     if not ((model_path / INDEX_NAME).is_file() or (model_path / SINGLE_NAME).is_file()):
         return  # no weights to size: the adapter says so with its own error
     needed = open_checkpoint(model_path).output_size_bound()
-    free = shutil.disk_usage(save_path.parent).free
+    where = next(p for p in (save_path.parent, *save_path.parent.parents) if p.exists())  # --plan creates nothing
+    free = shutil.disk_usage(where).free
     if free < needed:
-        raise UserError(f"--save_path {save_path}: {save_path.parent} has {free / 2**30:.2f} GiB free; the output "
+        raise UserError(f"--save_path {save_path}: {where} has {free / 2**30:.2f} GiB free; the output "
                         f"of {model_path.name} can take up to {needed / 2**30:.2f} GiB")
 
 
@@ -413,3 +414,27 @@ def quant(args: QuantArgs) -> QuantResult:
         bytes=sum(p.stat().st_size for p in files),
         is_main=main,
     )
+
+
+def plan(args: QuantArgs) -> dict[str, Any]:
+    """`--plan`: every check of a run before compute, in the same order and with the same errors, then what the
+    run would do (app/plan.py). Reads headers only and writes nothing."""
+    from msmodelslim.app import plan as planning
+    from msmodelslim.core.quant_service import prepare_run
+
+    p = _plan(args)
+    _check_save_path(p.model_path, p.save_path)
+    _check_free_space(p.model_path, p.save_path)
+    spec = p.chosen.practice.spec
+    adapter = planning.single_rank_adapter(p.adapter_cls, p.model_path, args.trust_remote_code)
+    try:
+        samples, processors = prepare_run(adapter, p.records, spec)
+        tokens = sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s)
+        save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
+        result = planning.build_plan(adapter, processors, save_config, p.device.world_size, p.device.type, tokens,
+                                     len(samples))
+    finally:
+        adapter.close()
+    result["practice"] = str(p.chosen.path)
+    result["device"] = str(p.device)
+    return result

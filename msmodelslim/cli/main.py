@@ -7,8 +7,11 @@ Exit status: 0 done; 2 bad input (one line `msmodelslim: error: ...`, no traceba
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from msmodelslim.errors import RankLost, Terminated, UserError
 from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
@@ -51,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                        help="run the model code shipped in --model_path (default: False)")
     quant.add_argument("--tag", default=None, help="free-form label recorded in the log")
+    quant.add_argument("--plan", action="store_true",
+                       help="check everything a run checks and print what it would do (units, selected linears, "
+                            "output size, memory per rank, time); reads headers only, writes nothing")
+    quant.add_argument("--plan-json", metavar="FILE", default=None, help="with --plan, also write the plan as JSON")
     _common(quant)
 
     # Parsed by msmodelslim.eval itself; listed here for --help.
@@ -75,10 +82,13 @@ def _run_quant(ns: argparse.Namespace) -> int:
     from msmodelslim.app.quant import QuantArgs, practice_file_name, quant
 
     setup_logging(ns.log_level)
-    result = quant(QuantArgs(
+    args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=ns.device,
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tag=ns.tag,
-    ))
+    )
+    if ns.plan or ns.plan_json:
+        return _run_plan(args, ns.plan_json)
+    result = quant(args)
     meta = result.practice.metadata
     if not result.is_main:  # a torchrun rank other than 0: rank 0 prints the summary
         print(f"msmodelslim quant: {result.device.torchrun.describe()} done in {result.seconds:.1f} s")
@@ -92,6 +102,22 @@ def _run_quant(ns: argparse.Namespace) -> int:
           f"{'es' if result.device.world_size > 1 else ''}, {result.device.backend}{launch})")
     print(f"  output     {result.save_path} ({result.files} files, {_size(result.bytes)}; "
           f"practice copied to {practice_file_name(result.model_type)})")
+    return 0
+
+
+def _run_plan(args: Any, json_path: str | None) -> int:
+    from msmodelslim.app.plan import describe
+    from msmodelslim.app.quant import plan
+
+    result = plan(args)
+    print(f"msmodelslim quant --plan: {args.model_type} with {result['practice']} on {result['device']}")
+    print(describe(result))
+    if json_path:
+        try:
+            Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--plan-json {json_path}: cannot write it ({exc.strerror})") from None
+        print(f"plan written to {json_path}")
     return 0
 
 

@@ -96,12 +96,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build(entries: list[Any], registry: dict[str, type], *args: Any) -> list[Any]:
-    built = []
-    for entry in entries:
-        cls = registry[entry.type]
-        built.append(cls(entry.config, *args))
-    return built
+def build_entries(entries: list[Any], registry: dict[str, type], *args: Any) -> list[Any]:
+    return [registry[entry.type](entry.config, *args) for entry in entries]
+
+
+def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The calibration samples and the processors, with every check that needs no compute: a plan that matches
+    nothing fails here, before any compute (a run and `--plan` both go through this)."""
+    from msmodelslim.processor.base import PROCESSORS
+
+    samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
+    processors = build_entries(spec.process, PROCESSORS, adapter)
+    schemes = planned_schemes(processors, adapter)
+    for processor in processors:
+        processor.preflight(adapter, schemes)
+    check_fused_groups(processors, adapter)
+    return samples, processors
 
 
 def _sample_size(sample: dict[str, Any]) -> int:
@@ -172,7 +182,6 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                failures: str | None = None, main_pid: int | None = None) -> dict[str, float]:
     """One rank of a run (rank 0 of 1 on a single device). A failing rank notes its error and the time in the
     folder `failures`, so the service can report the rank that failed first rather than a peer that only lost it."""
-    from msmodelslim.processor.base import PROCESSORS
     from msmodelslim.processor.save.base import SAVERS
 
     spec = request.practice.spec
@@ -193,15 +202,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None:
             _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
-        samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
+        samples, processors = prepare_run(adapter, records, spec)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
-        processors = _build(spec.process, PROCESSORS, adapter)
-        schemes = planned_schemes(processors, adapter)
-        for processor in processors:
-            processor.preflight(adapter, schemes)  # a plan that matches nothing fails now, before any compute
-        check_fused_groups(processors, adapter)
-        savers = _build(spec.save, SAVERS, adapter, request.work_dir, dist)
+        savers = build_entries(spec.save, SAVERS, adapter, request.work_dir, dist)
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"

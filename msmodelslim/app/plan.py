@@ -1,0 +1,230 @@
+"""`msmodelslim quant ... --plan`: what a run would do, from the headers alone, in seconds.
+
+Every check a real run makes before compute runs here too, with the same one-line errors (the request, the practice,
+the save path and its free space, the checkpoint's headers, the processors' preflight, the fused layers). Nothing is
+written, no weight is read: the model is built on the meta device. The plan reports
+
+- the units in order;
+- per linear_quant entry, the linears it selects (first matching entry wins, as in a run): per unit kind and scheme;
+- the tensors that stay FLOAT;
+- the output: tensor bytes per rank (rank 0 writes the replicated tensors, each rank its routed experts) cut into
+  shards of `part_file_size` as the saver cuts them;
+- per rank, device and host memory for the unit of largest cost, from the memory model of docs/npu.md;
+- the calibration tokens, and a time estimate where `plan_records.json` holds a benchmark of this device and layer
+  size (BENCHMARKS.md), otherwise that no record exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from msmodelslim.core.dist import SINGLE
+from msmodelslim.formats.ascendv1 import FLOAT, is_int4
+from msmodelslim.model.base import Unit
+
+RECORDS_FILE = Path(__file__).with_name("plan_records.json")
+GIB = 1024**3
+GPTQ_WORK = 4  # a GPTQ batch holds about this many times GPTQ_BATCH_BYTES (Hessians, factors, weights): npu.md
+HOST_BASE_GIB = 2.0  # a rank's interpreter, torch, the tokenizer and the meta model
+ACTIVATION_COPIES = 3  # per calibration token: the unit's input, its output and the attention-residual blocks
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    unit: Unit
+    name: str  # checkpoint name
+    out_features: int
+    in_features: int
+    scheme: str  # FLOAT when no linear_quant entry selects it
+    quantizer: int | None  # index of the linear_quant entry that quantizes it
+    method: str | None  # its weight method (gptq reads a Hessian)
+    expert: bool  # rank-local under EP
+
+
+def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, splits: int, bias: int) -> int:
+    """Bytes the saver writes for one quantized linear: the weight (int8, or int4 packed two per byte), the float32
+    scale and offset [out, 1], for int4 the float32 scale_bias ([out, splits] when row-parallel), and a bias."""
+    weight = out_f * in_f // 2 if is_int4(scheme) else out_f * in_f
+    scale_bias = (out_f * (splits if row_parallel else 1) * 4) if is_int4(scheme) else 0
+    return weight + 2 * out_f * 4 + scale_bias + bias
+
+
+def shards(sizes: list[int], limit: int) -> list[int]:
+    """The saver's cut: tensors in order, a shard closed before the tensor that would take it past `limit`."""
+    out, pending = [], 0
+    for size in sizes:
+        if pending and pending + size > limit:
+            out.append(pending)
+            pending = 0
+        pending += size
+    return out + ([pending] if pending else [])
+
+
+def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
+               tokens: int, samples: int) -> dict[str, Any]:
+    from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, select
+    from msmodelslim.processor.save.ascendv1_saver import source_float_dtypes
+
+    quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
+    units = adapter.units()
+    linears: list[LinearPlan] = []
+    modules: dict[str, Any] = {}
+    for unit in units:
+        module = adapter.unit_module(unit)
+        for live, mod in module.named_modules():
+            if not live or not isinstance(mod, torch.nn.Linear):
+                continue
+            name = adapter.checkpoint_name(unit, live)
+            which = next((i for i, q in enumerate(quantizers)
+                          if select(name, unit.kind, q.config.include, q.config.exclude)), None)
+            cfg = quantizers[which].config if which is not None else None
+            linears.append(LinearPlan(unit, name, mod.out_features, mod.in_features,
+                                      cfg.scheme.name if cfg else FLOAT, which,
+                                      cfg.qconfig.weight.method if cfg else None, bool(adapter.is_expert(name))))
+            modules[name] = mod
+    quantized = {lp.name: lp for lp in linears if lp.scheme != FLOAT}
+
+    selections = []
+    for i, q in enumerate(quantizers):
+        counts: dict[str, dict[str, int]] = {}
+        for lp in linears:
+            if lp.quantizer == i:
+                per_kind = counts.setdefault(lp.unit.kind, {})
+                per_kind[lp.scheme] = per_kind.get(lp.scheme, 0) + 1
+        selections.append({"processor": i, "scheme": q.config.scheme.name, "method": q.config.qconfig.weight.method,
+                           "include": list(q.config.include), "exclude": list(q.config.exclude),
+                           "selected": sum(sum(c.values()) for c in counts.values()), "per_unit_kind": counts})
+
+    # the output, tensor by tensor in unit order, split by owner
+    row_parallel, splits = set(save_config.row_parallel), save_config.row_parallel_splits
+    source = source_float_dtypes(adapter)  # FLOAT tensors keep their stored dtype, as the saver writes them
+    default_float = getattr(torch, save_config.float_dtype).itemsize
+    replicated: list[int] = []
+    experts: list[int] = []
+    floats: list[str] = []
+    unit_weights: dict[str, tuple[int, int]] = {}  # unit -> (replicated, expert) bf16 bytes of its weights
+    for unit in units:
+        rep = exp = 0
+        for name, tensor in adapter.checkpoint_state(unit, adapter.unit_module(unit)):
+            owner, _, leaf = name.rpartition(".")
+            lp = quantized.get(owner)
+            if lp is not None and leaf == "bias":
+                continue  # written with its linear
+            if lp is not None and leaf == "weight":
+                bias = modules[owner].bias
+                size = quant_tensor_bytes(lp.out_features, lp.in_features, lp.scheme,
+                                          owner.rsplit(".", 1)[-1] in row_parallel, splits,
+                                          0 if bias is None else bias.numel() * default_float)
+            else:
+                size = tensor.numel() * (source[name].itemsize if name in source else default_float) \
+                    if tensor.is_floating_point() else tensor.numel() * tensor.element_size()
+                floats.append(name)
+            (experts if adapter.is_expert(name) else replicated).append(size)
+            compute = tensor.numel() * 2  # bf16 on the device
+            if adapter.is_expert(name):
+                exp += compute
+            else:
+                rep += compute
+        unit_weights[unit.name] = (rep, exp)
+    limit = int(save_config.part_file_size * GIB)
+    per_rank_expert = sum(experts) // world
+    rank_bytes = [sum(replicated) + per_rank_expert] + [per_rank_expert] * (world - 1)
+    rank_shards = [shards(replicated + [per_rank_expert], limit)] + \
+        [shards([per_rank_expert], limit) for _ in range(world - 1)]  # experts as one run: approximate cut
+
+    memory = _memory(units, linears, unit_weights, world, tokens, GPTQ_BATCH_BYTES, limit)
+    return {
+        "units": [{"name": u.name, "kind": u.kind} for u in units],
+        "linear_quant": selections,
+        "float_tensors": {"count": len(floats), "names": floats},
+        "output": {"bytes": sum(rank_bytes), "bytes_per_rank": rank_bytes,
+                   "shards": [s for r in rank_shards for s in r if s], "part_file_size_gib": save_config.part_file_size},
+        "memory_per_rank": memory,
+        "calibration": {"samples": samples, "tokens": tokens, "ranks": world},
+        "time": _time_estimate(adapter, device_type, world, units, tokens),
+    }
+
+
+def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tuple[int, int]], world: int,
+            tokens: int, gptq_batch: int, part_bytes: int) -> dict[str, Any]:
+    """docs/npu.md's model per unit: weights (bf16) + the GPTQ readers' float32 Hessians (one per input: readers
+    of one module with one width share it; the int64 sums they come from are freed as each is built) + a GPTQ
+    batch's working set + the calibration activations. Host: the Cholesky factors of one batch in float64, the
+    saver's buffered shard, and the process itself."""
+    worst = None
+    for unit in units:
+        rep, exp = weights[unit.name]
+        w = rep + exp / world
+        inputs: dict[tuple[str, int], bool] = {}
+        for lp in linears:
+            if lp.unit.name == unit.name and lp.method == "gptq":
+                inputs[(lp.name.rpartition(".")[0], lp.in_features)] = lp.expert
+        hessians = sum(4 * d * d / (world if expert else 1) for (_, d), expert in inputs.items())
+        batch = min(hessians, GPTQ_WORK * gptq_batch) if hessians else 0
+        hidden = max((lp.in_features for lp in linears if lp.unit.name == unit.name), default=0)
+        activations = ACTIVATION_COPIES * 2 * hidden * math.ceil(tokens / world)
+        device = w + hessians + batch + activations
+        if worst is None or device > worst["device_bytes"]:
+            host = 2 * min(hessians, gptq_batch) + part_bytes + HOST_BASE_GIB * GIB
+            worst = {"unit": unit.name, "device_bytes": device, "host_bytes": host,
+                     "terms": {"weights": w, "hessians": hessians, "gptq_batch": batch, "activations": activations}}
+    if worst is None:
+        return {}
+    worst["device_gib"] = round(worst["device_bytes"] / GIB, 2)
+    worst["host_gib"] = round(worst["host_bytes"] / GIB, 2)
+    worst["model"] = "docs/npu.md, Memory per rank"
+    return worst
+
+
+def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
+    """From a benchmark of this device and layer size (plan_records.json), per decoder unit; else no estimate."""
+    text = adapter.text_config
+    experts_per_rank = int(getattr(text, "num_experts", 0) or 0) // world
+    decoders = sum(u.kind in ("decoder", "mtp") for u in units)
+    for record in json.loads(RECORDS_FILE.read_text(encoding="utf-8"))["records"]:
+        if (record["device_type"], record["hidden_size"], record["experts_per_rank"]) == \
+                (device_type, int(text.hidden_size), experts_per_rank):
+            seconds = record["seconds_per_decoder_unit"] * decoders
+            return {"seconds": round(seconds), "hours": round(seconds / 3600, 2), "record": record,
+                    "assumes": f"{decoders} decoder and MTP units at the record's cost each; the record calibrated "
+                               f"{record['calibration_tokens']} tokens, this run {tokens}"}
+    return {"seconds": None, "note": f"no benchmark record for {device_type} with hidden size {text.hidden_size} "
+                                     f"and {experts_per_rank} experts per rank (plan_records.json)"}
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def describe(plan: dict[str, Any]) -> str:
+    """The plan as a person reads it (the JSON holds every name)."""
+    lines = ["units: " + ", ".join(u["name"] for u in plan["units"])]
+    for sel in plan["linear_quant"]:
+        kinds = "; ".join(f"{kind}: " + ", ".join(f"{n} {s}" for s, n in sorted(c.items()))
+                          for kind, c in sorted(sel["per_unit_kind"].items()))
+        lines.append(f"linear_quant #{sel['processor']} {sel['scheme']} ({sel['method']}): {sel['selected']} linears "
+                     f"({kinds or 'none'})")
+    lines.append(f"float tensors: {plan['float_tensors']['count']}")
+    out = plan["output"]
+    lines.append(f"output: {_size(out['bytes'])} in {len(out['shards'])} shard(s) of up to "
+                 f"{out['part_file_size_gib']:g} GiB; per rank " + ", ".join(_size(b) for b in out["bytes_per_rank"]))
+    mem = plan["memory_per_rank"]
+    if mem:
+        lines.append(f"memory per rank, largest unit {mem['unit']}: device ~{_size(mem['device_bytes'])}, host "
+                     f"~{_size(mem['host_bytes'])} ({mem['model']})")
+    cal = plan["calibration"]
+    lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
+    t = plan["time"]
+    lines.append(f"time: ~{t['hours']} h ({t['assumes']})" if t.get("seconds") is not None else f"time: {t['note']}")
+    return "\n".join(lines)
+
+
+def single_rank_adapter(adapter_cls: type, model_path: Path, trust_remote_code: bool) -> Any:
+    """The adapter as one process builds it (meta model, headers checked; no weight read)."""
+    return adapter_cls(model_path, trust_remote_code=trust_remote_code, dist=SINGLE)

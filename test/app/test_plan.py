@@ -1,0 +1,127 @@
+"""`msmodelslim quant --plan`: what a run will do, from the headers, checked against what the run then did.
+
+References: the real run's output for the same practice (its index's tensors with the scheme the description gives
+each, and the index's `total_size`); the real run's own error line for the same bad input. Tolerances: the linear
+and FLOAT counts exactly; the output size within 2 % (the plan does not size the few FA3 scale tensors). Every
+shipped practice on the tiny Kimi-K3 and on kimi-linear-mini, with plain numerics (min/max weights, fixed smoothing:
+what gets selected does not depend on them) and a small calibration set to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from runner.dp_helpers import REPO, shrunken_practice
+
+from msmodelslim.app.quant import QuantArgs, plan, quant
+from msmodelslim.cli.main import main
+from msmodelslim.errors import UserError
+
+MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
+PRACTICES = REPO / "lab_practice" / "kimi_k3"
+CASES = [("Kimi-K3", f"kimi_k3_{q}") for q in ("w4a8", "w8a8", "w4a8c8")] + \
+        [("Kimi-Linear", f"kimi_linear_{q}") for q in ("w4a8", "w8a8", "w4a8c8")]
+
+
+def model_for(model_type: str, tiny_k3: Path) -> Path:
+    if model_type == "Kimi-Linear" and not (MINI / "config.json").is_file():
+        pytest.skip(f"{MINI} not available")
+    return tiny_k3 if model_type == "Kimi-K3" else MINI
+
+
+def args(model: Path, save: Path, model_type: str, practice: Path, device: str = "cpu") -> QuantArgs:
+    return QuantArgs(model_path=str(model), save_path=str(save), model_type=model_type, device=device,
+                     config_path=str(practice), trust_remote_code=model_type == "Kimi-K3")
+
+
+def written(out: Path) -> tuple[Counter, int]:
+    """(scheme -> count of the linears' weights and the FLOAT tensors the output holds, tensor bytes)."""
+    index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
+    description = json.loads((out / "quant_model_description.json").read_text())
+    counts = Counter(description[k] for k in index["weight_map"]
+                     if k.endswith(".weight") and description[k] != "FLOAT")
+    counts["FLOAT"] = sum(description[k] == "FLOAT" for k in index["weight_map"])
+    return counts, index["metadata"]["total_size"]
+
+
+def planned(result: dict) -> Counter:
+    counts = Counter()
+    for selection in result["linear_quant"]:
+        counts[selection["scheme"]] += selection["selected"]
+    counts["FLOAT"] = result["float_tensors"]["count"]
+    return counts
+
+
+@pytest.mark.parametrize("model_type, name", CASES, ids=[name for _, name in CASES])
+def test_the_plan_selects_what_the_run_quantizes_and_sizes_its_output(tiny_k3_checkpoint, tmp_path, model_type,
+                                                                       name):
+    model = model_for(model_type, tiny_k3_checkpoint)
+    practice = shrunken_practice(PRACTICES / f"{name}.yaml", tmp_path / "p.yaml", max_samples=3, max_seq_len=64,
+                                 plain_numerics=True)
+    result = plan(args(model, tmp_path / "out", model_type, practice, "cpu:0,1"))
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["p.yaml"]  # the plan wrote nothing
+    quant(args(model, tmp_path / "out", model_type, practice, "cpu:0,1"))
+    counts, total = written(tmp_path / "out")
+    assert planned(result) == counts
+    assert abs(result["output"]["bytes"] - total) <= 0.02 * total
+    assert sum(result["output"]["shards"]) == result["output"]["bytes"] == sum(result["output"]["bytes_per_rank"])
+    assert [u["name"] for u in result["units"]][:2] in (["vision", "embed"], ["embed", "layers.0"])
+
+
+def test_the_plan_reads_headers_only_and_takes_seconds(tiny_k3_checkpoint, tmp_path, capsys):
+    # weights that cannot be read (zeroed shard bodies, headers intact) would fail any run that loads them
+    model = tmp_path / "ckpt"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    for shard in model.glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        header = 8 + int.from_bytes(data[:8], "little")
+        data[header:] = bytes(len(data) - header)
+        shard.write_bytes(bytes(data))
+    start = time.monotonic()
+    code = main(["quant", "--model_path", str(model), "--save_path", str(tmp_path / "out"), "--device", "cpu",
+                 "--model_type", "Kimi-K3", "--quant_type", "w4a8", "--trust_remote_code", "True", "--plan",
+                 "--plan-json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and time.monotonic() - start < 60
+    assert "linear_quant #0 W4A8_DYNAMIC (gptq)" in out and "memory per rank, largest unit" in out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["calibration"]["tokens"] > 0 and saved["memory_per_rank"]["device_bytes"] > 0
+    assert "no benchmark record for cpu" in saved["time"]["note"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "plan.json"]
+
+
+def _error(call) -> str:
+    with pytest.raises(UserError) as info:
+        call()
+    return str(info.value)
+
+
+def test_a_practice_that_selects_nothing_fails_the_plan_with_the_run_s_line(tiny_k3_checkpoint, tmp_path):
+    practice = shrunken_practice(PRACTICES / "kimi_k3_w8a8.yaml", tmp_path / "p.yaml", 2, 32, plain_numerics=True)
+    data = yaml.safe_load(practice.read_text())
+    for step in data["spec"]["process"]:
+        if step["type"] == "linear_quant":
+            step["include"] = ["*.no_such_linear"]
+    practice.write_text(yaml.safe_dump(data, sort_keys=False))
+    a = args(tiny_k3_checkpoint, tmp_path / "out", "Kimi-K3", practice)
+    planned_error = _error(lambda: plan(a))
+    assert "selects none of the model's" in planned_error
+    assert _error(lambda: quant(a)) == planned_error
+
+
+def test_a_missing_shard_fails_the_plan_with_the_run_s_line(tiny_k3_checkpoint, tmp_path):
+    model = tmp_path / "ckpt"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    next(iter(sorted(model.glob("*.safetensors")))).unlink()
+    a = QuantArgs(model_path=str(model), save_path=str(tmp_path / "out"), model_type="Kimi-K3", device="cpu",
+                  quant_type="w4a8", trust_remote_code=True)
+    planned_error = _error(lambda: plan(a))
+    assert _error(lambda: quant(a)) == planned_error
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
