@@ -8,7 +8,7 @@ written, no weight is read: the model is built on the meta device. The plan repo
 - per linear_quant entry, the linears it selects (first matching entry wins, as in a run): per unit kind and scheme;
 - the tensors that stay FLOAT;
 - the output: tensor bytes per rank (rank 0 writes the replicated tensors, each rank its routed experts) cut into
-  shards of `part_file_size` as the saver cuts them;
+  shards as the saver cuts them (at `part_file_size` and at the end of every unit);
 - per rank, device and host memory for the unit of largest cost, from the memory model of docs/npu.md;
 - the calibration tokens, and a time estimate where `plan_records.json` holds a benchmark of this device and layer
   size (BENCHMARKS.md), otherwise that no record exists.
@@ -105,12 +105,14 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
     row_parallel, splits = set(save_config.row_parallel), save_config.row_parallel_splits
     source = source_float_dtypes(adapter)  # FLOAT tensors keep their stored dtype, as the saver writes them
     default_float = getattr(torch, save_config.float_dtype).itemsize
-    replicated: list[int] = []
-    experts: list[int] = []
+    replicated: list[list[int]] = []  # per unit, the sizes rank 0 writes of it (replicated tensors)
+    experts: list[int] = []  # per unit, the bytes of its routed experts (split evenly over the ranks)
     floats: list[str] = []
     unit_weights: dict[str, tuple[int, int]] = {}  # unit -> (replicated, expert) bf16 bytes of its weights
     for unit in units:
         rep = exp = 0
+        replicated.append([])
+        experts.append(0)
         for name, tensor in adapter.checkpoint_state(unit, adapter.unit_module(unit)):
             owner, _, leaf = name.rpartition(".")
             lp = quantized.get(owner)
@@ -125,18 +127,22 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
                 size = tensor.numel() * (source[name].itemsize if name in source else default_float) \
                     if tensor.is_floating_point() else tensor.numel() * tensor.element_size()
                 floats.append(name)
-            (experts if adapter.is_expert(name) else replicated).append(size)
+            if adapter.is_expert(name):
+                experts[-1] += size
+            else:
+                replicated[-1].append(size)
             compute = tensor.numel() * 2  # bf16 on the device
             if adapter.is_expert(name):
                 exp += compute
             else:
                 rep += compute
         unit_weights[unit.name] = (rep, exp)
+    # the saver closes a shard at `part_file_size` and at the end of every unit; a rank's experts of one unit are
+    # counted as one run of tensors, so their cut is approximate
     limit = int(save_config.part_file_size * GIB)
-    per_rank_expert = sum(experts) // world
-    rank_bytes = [sum(replicated) + per_rank_expert] + [per_rank_expert] * (world - 1)
-    rank_shards = [shards(replicated + [per_rank_expert], limit)] + \
-        [shards([per_rank_expert], limit) for _ in range(world - 1)]  # experts as one run: approximate cut
+    rank_shards = [[size for rep, exp in zip(replicated, experts) for size in shards(rep + [exp // world], limit)]]
+    rank_shards += [[exp // world for exp in experts if exp] for _ in range(world - 1)]
+    rank_bytes = [sum(r) for r in rank_shards]
 
     memory = _memory(units, linears, unit_weights, world, tokens, GPTQ_BATCH_BYTES, limit)
     return {

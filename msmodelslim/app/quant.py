@@ -1,9 +1,10 @@
 """`msmodelslim quant`: validate the request, resolve adapter + practice, run the service, publish atomically.
 
-The output is built in `<save_path.parent>/.<save_path.name>.tmp-<pid>` and moved to `save_path` with one
+The output is built in `<save_path.parent>/.<save_path.name>.partial` and moved to `save_path` with one
 `os.rename` after the service succeeded and the chosen practice was written beside it; on any failure, SIGINT or
 SIGTERM the ranks are stopped and the temporary directory is removed, so a crash never leaves a complete-looking
-output. A lock file beside it (`.<save_path.name>.lock`, removed at the end) keeps a second run off the same
+output, unless every rank had finished a unit: then the folder keeps the run's resumable state
+(core/runner/resume.py) and `--resume` continues it, `--fresh` discards it. A lock file beside it (`.<save_path.name>.lock`, removed at the end) keeps a second run off the same
 `save_path`.
 """
 
@@ -30,8 +31,10 @@ from msmodelslim.core import torchrun
 from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
+from msmodelslim.core.runner.resume import ResumeState, check_fingerprint, fingerprint
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
+from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.registry import ModelEntry, load_registry
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class QuantArgs:
     config_path: str | None = None
     trust_remote_code: bool = False
     tag: str | None = None
+    resume: bool = False  # continue the interrupted run of this save_path from its kept state
+    fresh: bool = False  # discard such state and start over
 
 
 @dataclass
@@ -177,7 +182,7 @@ def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)
 
 
-def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
+def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None) -> None:
     from msmodelslim.core import ascend_check, quant_service
 
     request = quant_service.QuantRequest(
@@ -190,6 +195,7 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         model_type=args.model_type,
         records=plan.records,
         orphan_cleanup=(_side_name(plan.save_path, "lock"),),
+        resume_after=resume_after,
         ascend_check=ascend_check.enabled(),
     )
     quant_service.run_service(request)
@@ -268,34 +274,90 @@ def _check_label_kept(work_dir: Path, chosen: ChosenPractice) -> None:
                         f"tensor {scheme} (check the include / exclude globs of its quantizers)")
 
 
+@dataclass
+class _Stop:
+    """The signal that stopped the run, if one did."""
+
+    signum: int | None = None
+
+    def replace(self, error: BaseException) -> BaseException:
+        """What the run failed with: the signal's own exception when a signal came, whatever the code it
+        interrupted made of it (an exception raised inside a library can surface as another error)."""
+        if self.signum is None or isinstance(error, (Terminated, KeyboardInterrupt)):
+            return error
+        return KeyboardInterrupt() if self.signum == signal.SIGINT else Terminated(self.signum)
+
+
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed), then exits 143."""
+def _sigterm_raises() -> Iterator[_Stop]:
+    """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed or kept as resumable state), then
+    exits 143; both signals are remembered (`_Stop`)."""
+    stop = _Stop()
+
     def handler(signum: int, frame: object) -> None:
-        raise Terminated(signum)
+        stop.signum = signum
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread (an embedding application): leave its signals alone
-        yield
+        yield stop
         return
     try:
-        yield
+        yield stop
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler_before in previous.items():
+            signal.signal(s, handler_before)
 
 
-def _make_work_dir(save_path: Path) -> Path:
+def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
+    """The run's temporary output `.<name>.partial` (one name per save_path, so an interrupted run can be found
+    again) and the unit to resume after (None: from the start). A plain run refuses to overwrite resumable state;
+    `--resume` refuses state of another run; `--fresh` discards it."""
+    work_dir = _side_name(plan.save_path, "partial")
+    state = ResumeState(work_dir)
+    world = plan.device.world_size
+    expected = fingerprint(source_identity(plan.model_path), plan.chosen.path.read_bytes(), plan.device.type, world)
     try:
-        work_dir = _side_name(save_path, f"tmp-{os.getpid()}")
+        if args.fresh and work_dir.exists():
+            logger.info("--fresh: discarding %s", work_dir)
+            shutil.rmtree(work_dir)
+        if args.resume:
+            if not work_dir.is_dir():
+                raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
+                                f"does not exist); run without --resume")
+            check_fingerprint(state.recorded_fingerprint(), expected, work_dir)
+            after = state.resume_point(world)
+            if after is None:
+                raise UserError(f"--resume: {work_dir} holds no unit that every rank finished; start over with "
+                                f"--fresh")
+            state.check_readable(after, world)
+            logger.info("--resume: continuing the run in %s after unit %d", work_dir, after)
+            return work_dir, after
         if work_dir.exists():
-            shutil.rmtree(work_dir)  # left by a killed run of this same pid number
+            if state.recorded_fingerprint() is not None and state.has_units():
+                raise UserError(f"--save_path {plan.save_path}: an interrupted run left resumable state in {work_dir}; "
+                                f"continue it with --resume, or start over with --fresh (or delete that folder)")
+            shutil.rmtree(work_dir)  # left by a run that finished no unit: nothing to resume
         work_dir.mkdir()
+        state.start(expected)
     except OSError as exc:
-        where = exc.filename or save_path.parent
+        where = exc.filename or plan.save_path.parent
         message = "no space left" if exc.errno == errno.ENOSPC else exc.strerror
-        raise UserError(f"--save_path {save_path}: cannot create {where} ({message})") from None
-    return work_dir
+        raise UserError(f"--save_path {plan.save_path}: cannot create {where} ({message})") from None
+    return work_dir, None
+
+
+def _failed(work_dir: Path, world: int, error: BaseException, *files: Path) -> None:
+    """After a failure: keep resumable state (and say how to use it), else remove the temporary output. A bad input
+    found mid-run (a NaN in a layer, say) discards it too: the run cannot go on with that input, and fixing it makes
+    another run."""
+    if not isinstance(error, UserError) and ResumeState(work_dir).resume_point(world) is not None:
+        logger.warning("the run can be resumed: the same command with --resume continues after the last unit every "
+                       "rank finished; --fresh starts over (the state is in %s)", work_dir)
+        _remove_output(None, *files)
+    else:
+        _remove_output(work_dir, *files)
 
 
 def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
@@ -304,15 +366,17 @@ def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
     _check_label_kept(work_dir, plan.chosen)
     shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
+    shutil.rmtree(ResumeState(work_dir).root)  # the run is complete: its resumable state goes before publishing
     _publish(work_dir, plan.save_path)
 
 
-def _remove_output(work_dir: Path, *files: Path) -> None:
+def _remove_output(work_dir: Path | None, *files: Path) -> None:
     """Remove a failed run's temporary output, with SIGINT / SIGTERM held back meanwhile: under torchrun the
     agent signals every rank as soon as one fails, and a signal must not cut the removal short."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
         for path in files:
             path.unlink(missing_ok=True)
     finally:
@@ -321,48 +385,55 @@ def _remove_output(work_dir: Path, *files: Path) -> None:
 
 def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
     """The built-in launch: this process holds the output and starts one process per device of this host."""
-    with _sigterm_raises(), _output_lock(plan.save_path):
+    with _sigterm_raises() as stop, _output_lock(plan.save_path):
         _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
         _check_free_space(plan.model_path, plan.save_path)
-        work_dir = _make_work_dir(plan.save_path)
+        work_dir, after = _open_work_dir(plan, args)
         try:
-            _run_service(plan, args, work_dir)
+            _run_service(plan, args, work_dir, after)
             _finish_output(plan, args, work_dir)
-        except BaseException:
-            _remove_output(work_dir)
-            raise
+        except BaseException as exc:
+            error = stop.replace(exc)
+            _failed(work_dir, plan.device.world_size, error)
+            if error is exc:
+                raise
+            raise error from None
 
 
 def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
     """One rank of a torchrun job. Rank 0 holds the output (lock, temporary folder, publish), as the built-in
     launcher's main process does; every rank checks that it sees that folder (one shared directory on every node)
     before any compute. On a failure every rank removes the temporary output: the rank that held it may be gone."""
-    with _sigterm_raises():
+    with _sigterm_raises() as stop:
         torchrun.join(place, plan.device.backend, plan.device.torch_device(place.rank))
         try:
             with contextlib.ExitStack() as held:
-                work_dir, error, token = None, None, uuid.uuid4().hex
+                work_dir, after, error, token = None, None, None, uuid.uuid4().hex
                 if place.is_main:
                     try:
                         held.enter_context(_output_lock(plan.save_path))
                         _check_save_path(plan.model_path, plan.save_path)
                         _check_free_space(plan.model_path, plan.save_path)
-                        work_dir = _make_work_dir(plan.save_path)
+                        work_dir, after = _open_work_dir(plan, args)
                         (work_dir / _SHARED_TOKEN).write_text(token)
                     except UserError as exc:
                         error = str(exc)
-                work_dir, token, error = torchrun.share((work_dir, token, error))
+                work_dir, after, token, error = torchrun.share((work_dir, after, token, error))
                 if error:
                     raise UserError(error)
                 try:
                     _check_shared(plan.save_path, work_dir, token, place)
-                    _run_service(plan, args, work_dir)
+                    _run_service(plan, args, work_dir, after)
                     if place.is_main:
                         _finish_output(plan, args, work_dir)
-                except BaseException:
+                except BaseException as exc:
+                    error = stop.replace(exc)
                     # rank 0 may have been killed holding the lock
-                    _remove_output(work_dir, *(() if place.is_main else (_side_name(plan.save_path, "lock"),)))
-                    raise
+                    _failed(work_dir, plan.device.world_size, error,
+                            *(() if place.is_main else (_side_name(plan.save_path, "lock"),)))
+                    if error is exc:
+                        raise
+                    raise error from None
         finally:
             torchrun.leave()
 

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                        help="run the model code shipped in --model_path (default: False)")
     quant.add_argument("--tag", default=None, help="free-form label recorded in the log")
+    again = quant.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the interrupted run of --save_path after the last unit every rank finished "
+                            "(same arguments; its state is in .<save_path>.partial beside it)")
+    again.add_argument("--fresh", action="store_true", help="discard such state and start over")
     quant.add_argument("--plan", action="store_true",
                        help="check everything a run checks and print what it would do (units, selected linears, "
                             "output size, memory per rank, time); reads headers only, writes nothing")
@@ -85,6 +90,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
     args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=ns.device,
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tag=ns.tag,
+        resume=ns.resume, fresh=ns.fresh,
     )
     if ns.plan or ns.plan_json:
         return _run_plan(args, ns.plan_json)

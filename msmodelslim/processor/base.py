@@ -70,6 +70,14 @@ class Processor(ABC):
         """Files and `optional` description entries the serving side reads (e.g. QuaRot's global rotation)."""
         return None
 
+    def resume_state(self) -> dict[str, Any]:
+        """What this processor carries from one unit to the next that its output depends on (describe, extras):
+        kept after every unit of a resumable run and handed back to `restore_state` when it resumes."""
+        return {}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Continue from `resume_state()`'s value."""
+
     def require_float_weight(self, unit_name: str, name: str, module: nn.Module) -> None:
         """Refuse a module whose weight is already integer: float transforms must run before linear_quant."""
         weight = module._parameters.get("weight")  # a QuantLinear's `.weight` is a dequantised copy

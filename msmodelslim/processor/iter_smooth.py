@@ -312,6 +312,14 @@ class IterSmoothProcessor(Processor):
             self.chosen.setdefault(sg.type, []).append(chosen[i])
         return chosen
 
+    def resume_state(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "chosen": {k: list(v) for k, v in self.chosen.items()},
+                "skipped_online": self.skipped_online}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.counts, self.skipped_online = dict(state["counts"]), state["skipped_online"]
+        self.chosen = {k: list(v) for k, v in state["chosen"].items()}
+
     def describe(self) -> dict[str, Any]:
         """{"iter_smooth": the settings}; per-rank counts stay out (the description must not depend on the ranks)."""
         strength = {"search_alphas": list(self.config.search_alphas)} if self.config.search else \

@@ -271,6 +271,17 @@ class QuaRotProcessor(Processor):
                 size = mod.weight.shape[-1]
                 rotate_online(mod, self.online_rotation(size).to(mod.weight.device), self.dtype)
 
+    def resume_state(self) -> dict[str, Any]:
+        """The rotations built so far (describe and extras list them); rebuilt from the seed on restore."""
+        return {"q": sorted(self._q), "online": sorted(self._online)}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        for space, size in state["q"]:
+            self.rotation(space, size, torch.device("cpu"))
+        for size in state["online"]:
+            self.online_rotation(size)
+        self._on_device.clear()
+
     def extras(self) -> Extras | None:
         """The residual-stream Q as msModelSlim publishes it: `optional.quarot.rotation_map.global_rotation` names
         a file holding tensor `global_rotation` [hidden, hidden] (the stored model reads h_rot = h @ Q); vllm-ascend

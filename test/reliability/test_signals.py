@@ -1,5 +1,6 @@
 """Stopping a run stops all of it: SIGINT / SIGTERM / SIGKILL of the main process, on one device and on two ranks,
-leave no process, no output, no temporary directory, no lock and no failure folder, and exit 130 / 143. A preset
+leave no process, no output, no lock and no failure folder, and exit 130 / 143; the temporary output stays only as
+a run's resumable state, and then the run says how to resume it (test/runner/test_resume.py resumes such state). A preset
 MASTER_ADDR / MASTER_PORT is honoured, and a rendezvous that cannot happen fails with one line, not a hang.
 
 Reference: exit statuses, the process table (every process of a run carries a marker in its environment), and
@@ -19,6 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from msmodelslim.core.runner.resume import ResumeState
 
 MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
 
@@ -69,12 +72,20 @@ class Run:
         self._reader.join(5)
         return code
 
-    def assert_nothing_left(self) -> None:
+    def assert_nothing_left(self, resumable_allowed: bool = False) -> None:
+        """No process, no lock, no failure folder, no output; with `resumable_allowed`, the temporary output may
+        stay when it holds resumable state (a unit every rank finished), and then the run said how to resume."""
         deadline = time.monotonic() + 15
         while marked_processes(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marked_processes(self.marker) == [], "processes of the run are still alive"
-        assert sorted(os.listdir(self.workspace)) == [], f"left in the save parent: {os.listdir(self.workspace)}"
+        left = sorted(os.listdir(self.workspace))
+        if resumable_allowed and left == [".out.partial"]:
+            state = ResumeState(self.workspace / ".out.partial")
+            assert state.recorded_fingerprint() and state.has_units(), "a temporary output without resumable state"
+            assert any("--resume" in line for line in self.lines), "".join(self.lines[-10:])
+        else:
+            assert left == [], f"left in the save parent: {left}"
         assert [p for p in os.listdir(self.tmp) if p.startswith("msmodelslim-")] == []
 
 
@@ -101,7 +112,7 @@ def test_signal_to_the_main_process_stops_every_rank_and_removes_the_output(tiny
     time.sleep(1.0)
     run.proc.send_signal(signum)
     assert run.finish() == code
-    run.assert_nothing_left()
+    run.assert_nothing_left(resumable_allowed=True)
 
 
 def test_sigterm_of_a_one_process_run_leaves_nothing(tiny_k3_checkpoint, workspace):
@@ -110,7 +121,7 @@ def test_sigterm_of_a_one_process_run_leaves_nothing(tiny_k3_checkpoint, workspa
     time.sleep(1.0)
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish() == 143
-    run.assert_nothing_left()
+    run.assert_nothing_left(resumable_allowed=True)
 
 
 def test_killed_main_process_takes_its_ranks_and_their_output_with_it(tiny_k3_checkpoint, workspace):
@@ -119,7 +130,7 @@ def test_killed_main_process_takes_its_ranks_and_their_output_with_it(tiny_k3_ch
     time.sleep(1.0)
     run.proc.kill()
     assert run.finish() == -signal.SIGKILL
-    run.assert_nothing_left()
+    run.assert_nothing_left(resumable_allowed=True)
 
 
 def test_rendezvous_that_cannot_happen_fails_with_one_line(tiny_k3_checkpoint, workspace):

@@ -15,6 +15,7 @@ import os
 import resource
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.runner.layer_wise import LayerWiseRunner
+from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
@@ -88,6 +90,7 @@ class QuantRequest:
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
     orphan_cleanup: tuple[Path, ...] = ()
     ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
+    resume_after: int | None = None  # continue after this unit from the state kept in work_dir
 
 
 def _free_port() -> int:
@@ -156,15 +159,21 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _remove_orphaned_output(paths: list[Path]) -> None:
+def _remove_orphaned_output(paths: list[Path], work_dir: Path, world: int) -> bool:
+    """Remove what a dead main process left, except resumable state (the temporary output of a run in which every
+    rank finished a unit); True when that state is kept."""
+    keep = ResumeState(work_dir).resume_point(world) is not None
     for path in paths:
+        if path == work_dir and keep:
+            continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+    return keep
 
 
-def _stop_with_main(main_pid: int, cleanup: list[Path]) -> None:
+def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path], work_dir: Path, world: int) -> None:
     """A rank outlives a killed main process only by a moment: it removes the run's temporary folders and exits, so
     no orphan goes on computing or writing into an output nobody will publish. Every rank removes them: the first
     to notice exits, and its peers may then fail in a collective before their own watchdog looks (run_worker's
@@ -172,7 +181,9 @@ def _stop_with_main(main_pid: int, cleanup: list[Path]) -> None:
     def watch() -> None:
         while _alive(main_pid):
             time.sleep(0.5)
-        _remove_orphaned_output(cleanup)
+        if _remove_orphaned_output(cleanup, work_dir, world) and rank == 0:
+            print(f"msmodelslim: the main process died; the run can be resumed: the same command with --resume "
+                  f"continues it, --fresh starts over (the state is in {work_dir})", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="main-watchdog", daemon=True).start()
@@ -192,8 +203,9 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
     orphaned_output = [request.work_dir, *request.orphan_cleanup] + ([Path(failures)] if failures else [])
     if world > 1:
         configure_logging(rank=rank)  # a spawned rank starts without the CLI's logging set-up
+        logger.debug("rank %d of %d: pid %d on %s", rank, world, os.getpid(), socket.gethostname())
         if main_pid is not None:
-            _stop_with_main(main_pid, orphaned_output)
+            _stop_with_main(main_pid, rank, orphaned_output, request.work_dir, world)
         # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (torchrun.local_world_size if torchrun else world)))
     dist = DistContext(rank=rank, world_size=world, device=device)
@@ -209,7 +221,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
-        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps)
+        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
+                                 resume=ResumeState(request.work_dir), resume_after=request.resume_after)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):
@@ -241,7 +254,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
-            _remove_orphaned_output(orphaned_output)
+            _remove_orphaned_output(orphaned_output, request.work_dir, world)
 
 
 def run_service(request: QuantRequest) -> None:

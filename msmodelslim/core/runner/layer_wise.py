@@ -25,6 +25,7 @@ from msmodelslim.core.device import bind_device, release_cached_memory
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.runner.context import UnitContext, run_processor
+from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.base import Extras, Processor
 
@@ -47,7 +48,8 @@ class RunStats:
 
 class LayerWiseRunner:
     def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
-                 dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None) -> None:
+                 dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
+                 resume: ResumeState | None = None, resume_after: int | None = None) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -56,6 +58,8 @@ class LayerWiseRunner:
         # Number of lock-step sample slots; ranks with fewer samples idle through the collectives.
         self.steps = steps
         self.stats = RunStats()
+        self.resume = resume  # where each finished unit's state is kept (core/runner/resume.py), if anywhere
+        self.resume_after = resume_after  # continue after this unit, from its kept state
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool) -> list[dict[str, Any]]:
@@ -71,11 +75,34 @@ class LayerWiseRunner:
                     self.adapter.idle_unit(unit, module)
         return outputs
 
+    def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        self.resume.save(self.dist.rank, index, {
+            "states": states,
+            "savers": [saver.resume_state() for saver in self.savers],
+            "processors": [processor.resume_state() for processor in self.processors],
+        })
+        self.stats.add("resume_state", time.perf_counter() - t0)
+
+    def _restore(self) -> list[dict[str, Any]]:
+        kept = self.resume.load(self.dist.rank, self.resume_after)
+        for saver, state in zip(self.savers, kept["savers"], strict=True):
+            saver.restore_state(state)
+        for processor, state in zip(self.processors, kept["processors"], strict=True):
+            processor.restore_state(state)
+        return _to_device(kept["states"], self.dist.device)
+
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
         return_freed_tensors_to_os()
         units = self.adapter.units()
         device = self.dist.device
-        states = [dict(s) for s in samples]
+        first = 0
+        if self.resume_after is not None:
+            states = self._restore()
+            first = self.resume_after + 1
+            logger.info("resuming after unit %s (%d of %d done)", units[self.resume_after].name, first, len(units))
+        else:
+            states = [dict(s) for s in samples]
         # the prefetch thread binds the rank's device once (else its work lands on device 0)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=bind_device,
                                   initargs=(device,)) if self.prefetch else None
@@ -92,11 +119,13 @@ class LayerWiseRunner:
                 return module
             return pool.submit(load_in_thread, units[i])
 
-        bar = tqdm(total=len(units), desc="quantizing", unit="unit", disable=not self.dist.is_main,
+        bar = tqdm(total=len(units), initial=first, desc="quantizing", unit="unit", disable=not self.dist.is_main,
                    dynamic_ncols=True)
-        pending = load(0)
+        pending = load(first) if first < len(units) else None
         try:
             for i, unit in enumerate(units):
+                if i < first:
+                    continue
                 bar.set_postfix_str(unit.name)
                 t0 = time.perf_counter()
                 module = pending.result() if isinstance(pending, Future) else pending
@@ -125,6 +154,8 @@ class LayerWiseRunner:
                 self.adapter.free_unit(unit, module)
                 release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
                 self.stats.add("save", time.perf_counter() - t0)
+                if self.resume is not None:
+                    self._keep_state(i, states)
                 self.stats.units += 1
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
@@ -149,3 +180,14 @@ class LayerWiseRunner:
         self.dist.barrier()  # no rank returns before the output is complete
         self.stats.add("save", time.perf_counter() - t0)
         return self.stats
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Kept calibration state (tensors in dicts, lists and tuples) back on the run's device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value

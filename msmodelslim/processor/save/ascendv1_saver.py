@@ -27,7 +27,8 @@ the replicated rest). Rank 0 writes everything it is given; a rank > 0 writes on
 `adapter.is_expert(name)` is true (applied to CHECKPOINT names). A name written by two ranks is an error.
 
 Sharding: tensors are buffered on CPU up to `part_file_size` GiB, then written as a shard with a rank-unique
-temporary name. `finalize` writes a per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards
+temporary name; the end of a unit closes the shard too (a finished unit is on disk, which a resumable run's state
+relies on: core/runner/resume.py), so a shard holds one unit or a part of one. `finalize` writes a per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards
 by (rank, part); index and description sorted by name), renames shards to their final names, writes the index and
 description, copies config/tokenizer/processor/remote-code files (config.json without `quantization_config`), then
 a final barrier. Nothing is written outside `work_dir`.
@@ -246,6 +247,23 @@ class AscendV1Saver(Saver):
             else:
                 raise TypeError(f"unit {unit.name}: checkpoint_state yielded {type(obj).__name__} for {name!r}; "
                                 f"expected a Tensor, a QuantLinear or an AttentionFakeQuant")
+        self._flush()  # a unit's tensors close its shard: a finished unit is on disk (a resumable run's state)
+
+    def resume_state(self) -> dict[str, Any]:
+        if self._pending:
+            raise RuntimeError("ascendv1_saver: tensors still buffered at a unit boundary")
+        return {"files": list(self._files), "description": dict(self._description),
+                "attention": {k: dict(v) for k, v in self._attention.items()}}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self._files = list(state["files"])
+        self._description = dict(state["description"])
+        self._attention = {k: dict(v) for k, v in state["attention"].items()}
+        kept = {entry["file"] for entry in self._files}
+        prefix = _TMP_SHARD.split("-part")[0].format(rank=self.dist.rank)
+        for path in self.work_dir.glob(f"{prefix}-part*.safetensors"):
+            if path.name not in kept:  # written in a unit that did not finish on every rank
+                path.unlink()
 
     def _add_attention_point(self, name: str, point: AttentionFakeQuant) -> None:
         attention, branch = name.rsplit(".", 1)

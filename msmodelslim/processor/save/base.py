@@ -52,6 +52,14 @@ class Saver(ABC):
         """Flush what this rank holds and record its part (every rank)."""
 
     @abstractmethod
+    def resume_state(self) -> dict[str, Any]:
+        """What this rank has written so far (after a unit: nothing may be held back in memory then)."""
+
+    @abstractmethod
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Continue from `resume_state()`'s value, dropping anything this rank wrote after it."""
+
+    @abstractmethod
     def merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
         """Rank 0, once every rank has finished: merge the parts into the final index/description."""
 

@@ -1,0 +1,230 @@
+"""Resumable runs: a run stopped after unit k continues with `--resume` to the output an uninterrupted run writes.
+
+Reference: an uninterrupted run of the same command on the same rank count; tolerance none: every file of the two
+outputs has the same name and the same bytes. Stops are real: SIGTERM or SIGKILL of the main process, SIGKILL of one
+rank, as soon as the run logs that unit k is done (its state is kept before that line), and a failure after the last
+unit. Refusals are one line each, exit status 2, the state left as it was. The shipped W4A8 practice, shrunk to 5
+samples of 96 tokens (GPTQ and the searched smoothing kept).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from msmodelslim.app.quant import QuantArgs, quant
+from msmodelslim.cli.main import main
+from msmodelslim.core.runner.resume import ResumeState
+from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver
+
+from .dp_helpers import REPO, shrunken_practice
+
+MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
+MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
+
+
+@pytest.fixture(scope="module")
+def practice(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml",
+                             tmp_path_factory.mktemp("practice") / "p.yaml", max_samples=5, max_seq_len=96)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory):
+    """device -> the uninterrupted run's output (made once per device spec)."""
+    made: dict[str, Path] = {}
+
+    def get(device: str, model: Path = tiny_k3_checkpoint, model_type: str = "Kimi-K3", prac: Path = practice):
+        key = f"{model.name}:{device}"
+        if key not in made:
+            out = tmp_path_factory.mktemp("reference") / "out"
+            quant(QuantArgs(model_path=str(model), save_path=str(out), device=device, model_type=model_type,
+                            config_path=str(prac), trust_remote_code=model_type == "Kimi-K3"))
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    names = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    differing = [n for n in names if (a / n).read_bytes() != (b / n).read_bytes()]
+    assert not differing, f"{len(differing)} files differ: {differing[:5]}"
+
+
+def command(model: Path, save: Path, device: str, practice: Path, model_type: str = "Kimi-K3") -> list[str]:
+    return ["quant", "--model_path", str(model), "--save_path", str(save), "--device", device, "--model_type",
+            model_type, "--config_path", str(practice), "--trust_remote_code", str(model_type == "Kimi-K3")]
+
+
+def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
+    """Run `msmodelslim <args>` and stop it as soon as it logs that `unit` is done: SIGTERM / SIGKILL of the main
+    process, or SIGKILL of rank 1. Returns its stderr."""
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "msmodelslim.cli.main", *args, "--log_level", "debug"], cwd=cwd,
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.rstrip().endswith(f"unit {unit} done"):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert seen.wait(180), "".join(lines[-20:])
+    if how == "rank":
+        rank1 = next(int(line.split("pid ")[1].split()[0]) for line in lines if "rank 1 of 2: pid " in line)
+        os.kill(rank1, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+    proc.wait(120)
+    reader.join(10)
+    deadline = time.monotonic() + 15
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not marked(marker), "processes of the run are still alive"
+    return "".join(lines)
+
+
+def marked(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"{MARKER_ENV}={marker}".encode() in (proc / "environ").read_bytes().split(
+                    b"\0") and (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+STOPS = [("cpu", "vision", "sigterm"),  # the first unit, one process
+         ("cpu:0,1", "layers.1", "sigkill"),  # the main process killed
+         ("cpu:0,1", "layers.2", "rank")]  # one rank killed
+
+
+@pytest.mark.parametrize("device, unit, how", STOPS, ids=[f"{d} {h} after {u}" for d, u, h in STOPS])
+def test_a_stopped_run_resumes_to_the_uninterrupted_output(tiny_k3_checkpoint, practice, reference, tmp_path,
+                                                          device, unit, how):
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, device, practice)
+    err = stop_after(args, unit, how, tmp_path)
+    assert not save.exists() and "--resume" in err
+    assert os.listdir(tmp_path) == [".out.partial"]  # the state, and no lock
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(reference(device), save)
+    assert os.listdir(tmp_path) == ["out"]  # the state went with the publish
+
+
+def test_a_failure_after_the_last_unit_resumes_to_the_uninterrupted_output(tiny_k3_checkpoint, practice, reference,
+                                                                          tmp_path, monkeypatch):
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, "cpu", practice)
+
+    def broken(self):
+        raise RuntimeError("disk gone while finishing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AscendV1Saver, "finish_rank", broken)
+        with pytest.raises(RuntimeError, match="disk gone"):
+            main(args)
+    state = ResumeState(tmp_path / ".out.partial")
+    assert state.resume_point(1) == 7  # vision, embed, 4 layers, head, mtp.0: every unit was done
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(reference("cpu"), save)
+
+
+@pytest.mark.skipif(not (MINI / "config.json").is_file(), reason=f"{MINI} not available")
+def test_kimi_linear_mini_resumes_on_two_ranks(reference, tmp_path):
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8.yaml", tmp_path / "p.yaml",
+                                 max_samples=4, max_seq_len=64)
+    save = tmp_path / "work" / "out"
+    save.parent.mkdir()
+    args = command(MINI, save, "cpu:0,1", practice, "Kimi-Linear")
+    stop_after(args, "layers.3", "sigkill", tmp_path)
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(reference("cpu:0,1", MINI, "Kimi-Linear", practice), save)
+
+
+# --- refusals ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace with the state of a run on cpu:0,1 killed after layers.0 (copied for each test)."""
+    workspace = tmp_path_factory.mktemp("stopped")
+    stop_after(command(tiny_k3_checkpoint, workspace / "out", "cpu:0,1", practice), "layers.0", "sigkill", workspace)
+    return workspace
+
+
+@pytest.fixture
+def state_copy(stopped: Path, tmp_path: Path) -> Path:
+    shutil.copytree(stopped, tmp_path / "ws")
+    return tmp_path / "ws"
+
+
+def refused(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("msmodelslim: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    return errors[0]
+
+
+def test_a_plain_run_that_meets_resumable_state_names_both_choices(tiny_k3_checkpoint, practice, state_copy, capsys):
+    line = refused(command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), capsys)
+    assert "continue it with --resume, or start over with --fresh" in line
+    assert ResumeState(state_copy / ".out.partial").has_units()
+
+
+def test_fresh_discards_the_state_and_starts_over(tiny_k3_checkpoint, practice, reference, state_copy):
+    assert main([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--fresh"]) == 0
+    assert_same_files(reference("cpu:0,1"), state_copy / "out")
+
+
+def test_resume_refuses_another_rank_count(tiny_k3_checkpoint, practice, state_copy, capsys):
+    line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu", practice), "--resume"], capsys)
+    assert "belongs to another run: the rank count differs (state 2, now 1)" in line
+
+
+def test_resume_refuses_another_practice(tiny_k3_checkpoint, practice, state_copy, tmp_path, capsys):
+    other = tmp_path / "other.yaml"
+    other.write_text(practice.read_text().replace("max_samples: 5", "max_samples: 4"))
+    line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", other), "--resume"], capsys)
+    assert "belongs to another run: the practice differs" in line
+
+
+def test_resume_refuses_another_checkpoint(tiny_k3_checkpoint, practice, state_copy, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    index = model / "model.safetensors.index.json"
+    index.write_text(index.read_text() + "\n")  # the same weights, another index: another source
+    line = refused([*command(model, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
+    assert "belongs to another run: the checkpoint (--model_path) differs" in line
+
+
+def test_resume_refuses_a_truncated_state_file(tiny_k3_checkpoint, practice, state_copy, capsys):
+    state = ResumeState(state_copy / ".out.partial")
+    last = state.resume_point(2)
+    for rank in range(2):
+        path = state.root / f"rank{rank}" / f"unit{last:05d}.pt"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
+    assert "the resumable state is damaged" in line and "--fresh" in line
+
+
+def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, capsys):
+    line = refused([*command(tiny_k3_checkpoint, tmp_path / "out", "cpu", practice), "--resume"], capsys)
+    assert "no interrupted run of --save_path" in line and os.listdir(tmp_path) == []
