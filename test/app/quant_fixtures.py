@@ -70,7 +70,7 @@ def stub_service(monkeypatch):
 
     def run_service(request):
         calls.append(request)
-        assert request.work_dir.is_dir() and not any(request.work_dir.iterdir())
+        assert request.work_dir.is_dir() and [p.name for p in request.work_dir.iterdir()] == ["resume"]  # its state
         (request.work_dir / "quant_model_description.json").write_text(json.dumps({"version": "1.0.0",
                                                                                     "x.weight": "W4A8_DYNAMIC"}))
         (request.work_dir / "config.json").write_text("{}")

@@ -17,7 +17,7 @@ from msmodelslim.errors import UserError
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if p.name.endswith(".partial"))
 
 
 def args(model_dir: Path, save: Path, **kw) -> QuantArgs:
@@ -40,7 +40,7 @@ def test_success_publishes_output_with_the_chosen_practice(tmp_path, model_dir, 
     assert leftovers(save.parent) == []
     (request,) = stub_service
     assert request.model_path == model_dir.resolve()
-    assert request.work_dir.parent == save.parent and request.work_dir.name.startswith(".Kimi-K3-w4a8.tmp-")
+    assert request.work_dir.parent == save.parent and request.work_dir.name == ".Kimi-K3-w4a8.partial"
     assert request.device == DeviceSpec("cpu", (0, 1))
     assert request.adapter_cls is DummyAdapter and request.trust_remote_code is True
     assert request.model_type == "Kimi-K3" and request.practice.metadata.config_id == "stub_w4a8"

@@ -22,6 +22,7 @@ import torch
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core import ascend_check
 from msmodelslim.core.quant_service import STATS_ENV, split_samples
+from msmodelslim.core.runner.resume import ResumeState
 
 from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
@@ -85,7 +86,7 @@ def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path, asce
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_failing_rank_fails_the_whole_run_fast_without_output(tiny_k3: Path, tmp_path: Path, how: str):
+def test_a_failing_rank_fails_the_whole_run_fast_and_publishes_nothing(tiny_k3: Path, tmp_path: Path, how: str):
     fail = [{"type": "fail_on_rank", "rank": 1, "unit": "layers.1", "how": how}]
     practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml", tmp_path / "p.yaml",
                                  max_samples=2, max_seq_len=32, extra_process=fail)
@@ -96,7 +97,8 @@ def test_a_failing_rank_fails_the_whole_run_fast_without_output(tiny_k3: Path, t
     message = str(info.value)
     assert ("injected failure on rank 1" in message) if how == "raise" else ("process 1" in message.lower())
     assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.tmp-*"))
+    # what stays is the resumable state of the units before layers.1 (vision, embed, layers.0), nothing published
+    assert ResumeState(tmp_path / ".out.partial").resume_point(2) == 2
 
 
 def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
