@@ -9,16 +9,17 @@ launcher, side by side on one machine in one sitting.
    resumed run's wall and whether the output equals run 2's file for file.
 4. torchrun with as many processes on this host: wall, and the same output check.
 
-Usage: python bench/long_runs.py [--preset small --device cpu:0,1 --max-samples 8 --max-seq-len 256]
+Usage: python bench/long_runs.py [--preset small --device cpu:0,1 --max-samples 8 --max-seq-len 256
+                                  --steps plan,full,resume,torchrun]
 Prints one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -74,7 +75,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu:0,1")
     p.add_argument("--max-samples", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--steps", default="plan,full,resume,torchrun", help="which of the four to run (full is needed "
+                                                                        "by the others)")
     args = p.parse_args()
+    steps = set(args.steps.split(","))
     model = generated_checkpoint(args.preset)
     practice = shrunken_practice(ROOT / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml", BENCH_OUT / "long_runs.yaml",
                                  args.max_samples, args.max_seq_len)
@@ -84,37 +88,37 @@ def main() -> None:
     python = [sys.executable]
     world = len(args.device.split(":")[1].split(",")) if ":" in args.device else 1
 
-    plan = timed(python + quant_cmd(model, work / "plan", args.device, practice, "--plan"))
+    result = {"bench": "long_runs", "machine": machine(), "preset": args.preset, "device": args.device,
+              "calibration": f"{args.max_samples} samples, max_seq_len {args.max_seq_len}"}
+    if "plan" in steps:
+        plan = timed(python + quant_cmd(model, work / "plan", args.device, practice, "--plan"))
+        result.update(plan_s=round(plan["wall_s"], 2), plan_ok=plan["code"] == 0)
 
     full, stats = work / "full", work / "full.stats"
-    run = timed(python + quant_cmd(model, full, args.device, practice), watch=work / ".full.partial", stats=stats)
-    ranks = [__import__("json").loads(Path(f"{stats}.rank{r}").read_text()) for r in range(world)]
+    run = timed(python + quant_cmd(model, full, args.device, practice), watch=work / ".full.partial" / "resume",
+                stats=stats)
+    ranks = [json.loads(Path(f"{stats}.rank{r}").read_text()) for r in range(world)]
     keep_s = max(r.get("resume_state", 0.0) for r in ranks)
     runner_s = max(r["runner_wall"] for r in ranks)
-    middle = "layers.3"
-
-    resumed = work / "resumed"
-    killed = timed(python + quant_cmd(model, resumed, args.device, practice), kill_after=middle)
-    time.sleep(2)  # the ranks' watchdogs notice the dead main process
-    again = timed(python + quant_cmd(model, resumed, args.device, practice, "--resume"))
-
-    launched = work / "torchrun"
-    torchrun = timed(python + ["-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-                     + quant_cmd(model, launched, args.device.split(":")[0], practice))
-    print_result({
-        "bench": "long_runs", "machine": machine(), "preset": args.preset, "device": args.device,
-        "calibration": f"{args.max_samples} samples, max_seq_len {args.max_seq_len}",
-        "plan_s": round(plan["wall_s"], 2), "plan_ok": plan["code"] == 0,
-        "full_run_wall_s": round(run["wall_s"], 1), "runner_s": round(runner_s, 1),
-        "keep_state_s": round(keep_s, 2), "keep_state_share": round(keep_s / runner_s, 4),
-        "peak_state_mib": round(run["peak_state_bytes"] / 2**20, 1),
-        "output_mib": round(sum(f.stat().st_size for f in full.rglob("*") if f.is_file()) / 2**20, 1),
-        "killed_after": middle, "killed_code": killed["code"], "killed_at_s": round(killed["wall_s"], 1),
-        "resume_wall_s": round(again["wall_s"], 1), "resumed_equals_full": again["code"] == 0
-        and same_files(full, resumed),
-        "torchrun_wall_s": round(torchrun["wall_s"], 1), "builtin_wall_s": round(run["wall_s"], 1),
-        "torchrun_equals_builtin": torchrun["code"] == 0 and same_files(full, launched),
-    })
+    result.update(full_run_wall_s=round(run["wall_s"], 1), runner_s=round(runner_s, 1), keep_state_s=round(keep_s, 2),
+                  keep_state_share=round(keep_s / runner_s, 4),
+                  peak_state_mib=round(run["peak_state_bytes"] / 2**20, 1),
+                  output_mib=round(sum(f.stat().st_size for f in full.rglob("*") if f.is_file()) / 2**20, 1))
+    if "resume" in steps:
+        middle, resumed = "layers.3", work / "resumed"
+        killed = timed(python + quant_cmd(model, resumed, args.device, practice), kill_after=middle)
+        time.sleep(2)  # the ranks' watchdogs notice the dead main process
+        again = timed(python + quant_cmd(model, resumed, args.device, practice, "--resume"))
+        result.update(killed_after=middle, killed_code=killed["code"], killed_at_s=round(killed["wall_s"], 1),
+                      resume_wall_s=round(again["wall_s"], 1),
+                      resumed_equals_full=again["code"] == 0 and same_files(full, resumed))
+    if "torchrun" in steps:
+        launched = work / "torchrun"
+        torchrun = timed(python + ["-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+                         + quant_cmd(model, launched, args.device.split(":")[0], practice))
+        result.update(torchrun_wall_s=round(torchrun["wall_s"], 1), builtin_wall_s=round(run["wall_s"], 1),
+                      torchrun_equals_builtin=torchrun["code"] == 0 and same_files(full, launched))
+    print_result(result)
 
 
 if __name__ == "__main__":

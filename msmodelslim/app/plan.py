@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from msmodelslim.core.dist import SINGLE
 from msmodelslim.formats.ascendv1 import FLOAT, is_int4
 from msmodelslim.model.base import Unit
 
@@ -230,7 +229,3 @@ def describe(plan: dict[str, Any]) -> str:
     lines.append(f"time: ~{t['hours']} h ({t['assumes']})" if t.get("seconds") is not None else f"time: {t['note']}")
     return "\n".join(lines)
 
-
-def single_rank_adapter(adapter_cls: type, model_path: Path, trust_remote_code: bool) -> Any:
-    """The adapter as one process builds it (meta model, headers checked; no weight read)."""
-    return adapter_cls(model_path, trust_remote_code=trust_remote_code, dist=SINGLE)

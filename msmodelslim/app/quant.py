@@ -3,9 +3,10 @@
 The output is built in `<save_path.parent>/.<save_path.name>.partial` and moved to `save_path` with one
 `os.rename` after the service succeeded and the chosen practice was written beside it; on any failure, SIGINT or
 SIGTERM the ranks are stopped and the temporary directory is removed, so a crash never leaves a complete-looking
-output, unless every rank had finished a unit: then the folder keeps the run's resumable state
-(core/runner/resume.py) and `--resume` continues it, `--fresh` discards it. A lock file beside it (`.<save_path.name>.lock`, removed at the end) keeps a second run off the same
-`save_path`.
+output. Once every rank has finished a unit the folder holds the run's resumable state (core/runner/resume.py)
+and is kept instead: `--resume` continues it, `--fresh` discards it. A lock file beside it
+(`.<save_path.name>.lock`, removed at the end) keeps a second run off the same `save_path`. Under torchrun each
+process is one rank and rank 0 holds the output (`_quant_torchrun`).
 """
 
 from __future__ import annotations
@@ -403,7 +404,8 @@ def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
 def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
     """One rank of a torchrun job. Rank 0 holds the output (lock, temporary folder, publish), as the built-in
     launcher's main process does; every rank checks that it sees that folder (one shared directory on every node)
-    before any compute. On a failure every rank removes the temporary output: the rank that held it may be gone."""
+    before any compute. On a failure every rank removes the temporary output, or keeps it as resumable state: the
+    rank that held it may be gone."""
     with _sigterm_raises() as stop:
         torchrun.join(place, plan.device.backend, plan.device.torch_device(place.rank))
         try:
@@ -490,22 +492,23 @@ def quant(args: QuantArgs) -> QuantResult:
 def plan(args: QuantArgs) -> dict[str, Any]:
     """`--plan`: every check of a run before compute, in the same order and with the same errors, then what the
     run would do (app/plan.py). Reads headers only and writes nothing."""
-    from msmodelslim.app import plan as planning
+    from msmodelslim.app.plan import build_plan
     from msmodelslim.core.quant_service import prepare_run
 
-    p = _plan(args)
-    _check_save_path(p.model_path, p.save_path)
-    _check_free_space(p.model_path, p.save_path)
-    spec = p.chosen.practice.spec
-    adapter = planning.single_rank_adapter(p.adapter_cls, p.model_path, args.trust_remote_code)
+    checked = _plan(args)
+    _check_save_path(checked.model_path, checked.save_path)
+    _check_free_space(checked.model_path, checked.save_path)
+    spec = checked.chosen.practice.spec
+    # one process's adapter: the model on the meta device, the checkpoint's headers checked, no weight read
+    adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)
     try:
-        samples, processors = prepare_run(adapter, p.records, spec)
+        samples, processors = prepare_run(adapter, checked.records, spec)
         tokens = sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s)
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
-        result = planning.build_plan(adapter, processors, save_config, p.device.world_size, p.device.type, tokens,
-                                     len(samples))
+        result = build_plan(adapter, processors, save_config, checked.device.world_size, checked.device.type,
+                            tokens, len(samples))
     finally:
         adapter.close()
-    result["practice"] = str(p.chosen.path)
-    result["device"] = str(p.device)
+    result["practice"] = str(checked.chosen.path)
+    result["device"] = str(checked.device)
     return result
