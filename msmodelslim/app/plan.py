@@ -126,14 +126,12 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
                 size = tensor.numel() * (source[name].itemsize if name in source else default_float) \
                     if tensor.is_floating_point() else tensor.numel() * tensor.element_size()
                 floats.append(name)
-            if adapter.is_expert(name):
-                experts[-1] += size
-            else:
-                replicated[-1].append(size)
             compute = tensor.numel() * 2  # bf16 on the device
             if adapter.is_expert(name):
+                experts[-1] += size
                 exp += compute
             else:
+                replicated[-1].append(size)
                 rep += compute
         unit_weights[unit.name] = (rep, exp)
     # the saver closes a shard at `part_file_size` and at the end of every unit; a rank's experts of one unit are

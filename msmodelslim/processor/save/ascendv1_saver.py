@@ -27,17 +27,19 @@ the replicated rest). Rank 0 writes everything it is given; a rank > 0 writes on
 `adapter.is_expert(name)` is true (applied to CHECKPOINT names). A name written by two ranks is an error.
 
 Sharding: tensors are buffered on CPU up to `part_file_size` GiB, then written as a shard with a rank-unique
-temporary name; the end of a unit closes the shard too (a finished unit is on disk, which a resumable run's state
-relies on: core/runner/resume.py), so a shard holds one unit or a part of one. `finalize` writes a per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards
-by (rank, part); index and description sorted by name), renames shards to their final names, writes the index and
-description, copies config/tokenizer/processor/remote-code files (config.json without `quantization_config`), then
-a final barrier. Nothing is written outside `work_dir`.
+temporary name and fsynced; the end of a unit closes the shard too (a finished unit is on disk, which a resumable
+run's state relies on: core/runner/resume.py), so a shard holds one unit or a part of one. `finalize` writes a
+per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards by (rank, part); index and
+description sorted by name), renames shards to their final names, writes the index and description, copies
+config/tokenizer/processor/remote-code files (config.json without `quantization_config`), then a final barrier.
+Nothing is written outside `work_dir`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,6 +329,8 @@ class AscendV1Saver(Saver):
             return
         file = _TMP_SHARD.format(rank=self.dist.rank, part=len(self._files))
         save_file(self._pending, str(self.work_dir / file), metadata={"format": "pt"})
+        with open(self.work_dir / file, "rb") as written:  # durable before a unit's state counts it as written
+            os.fsync(written.fileno())
         self._files.append({"file": file, "names": sorted(self._pending), "bytes": self._pending_bytes})
         logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, file, len(self._pending),
                      self._pending_bytes / GIB)
