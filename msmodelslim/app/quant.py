@@ -311,37 +311,43 @@ def _sigterm_raises() -> Iterator[_Stop]:
             signal.signal(s, handler_before)
 
 
-def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
-    """The run's temporary output `.<name>.partial` (one name per save_path, so an interrupted run can be found
-    again) and the unit to resume after (None: from the start). A plain run refuses to overwrite resumable state;
-    `--resume` refuses state of another run; `--fresh` discards it."""
+def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], int | None]:
+    """The read-only half of `_open_work_dir` (`--plan` makes it too): the temporary output's path, the run's
+    fingerprint and, with `--resume`, the unit to resume after. A plain run refuses to overwrite resumable state;
+    `--resume` refuses state of another run or damaged state."""
     work_dir = _side_name(plan.save_path, "partial")
     state = ResumeState(work_dir)
     world = plan.device.world_size
     expected = fingerprint(source_identity(plan.model_path), plan.chosen.path.read_bytes(), plan.device.type, world)
+    if args.resume:
+        if not work_dir.is_dir():
+            raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
+                            f"does not exist); run without --resume")
+        check_fingerprint(state.recorded_fingerprint(), expected, work_dir)
+        after = state.resume_point(world)
+        if after is None:
+            raise UserError(f"--resume: {work_dir} holds no unit that every rank finished; start over with --fresh")
+        state.check_readable(after, world)
+        return work_dir, expected, after
+    if not args.fresh and work_dir.exists() and state.recorded_fingerprint() is not None and state.has_units():
+        raise UserError(f"--save_path {plan.save_path}: an interrupted run left resumable state in {work_dir}; "
+                        f"continue it with --resume, or start over with --fresh (or delete that folder)")
+    return work_dir, expected, None
+
+
+def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
+    """The run's temporary output `.<name>.partial` (one name per save_path, so an interrupted run can be found
+    again) and the unit to resume after (None: from the start); `--fresh` discards earlier state."""
+    work_dir, expected, after = _check_state(plan, args)
+    if after is not None:
+        logger.info("--resume: continuing the run in %s after unit %d", work_dir, after)
+        return work_dir, after
     try:
-        if args.fresh and work_dir.exists():
-            logger.info("--fresh: discarding %s", work_dir)
+        if work_dir.exists():  # --fresh, or left by a run that finished no unit: nothing to resume
+            logger.info("discarding %s", work_dir)
             shutil.rmtree(work_dir)
-        if args.resume:
-            if not work_dir.is_dir():
-                raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
-                                f"does not exist); run without --resume")
-            check_fingerprint(state.recorded_fingerprint(), expected, work_dir)
-            after = state.resume_point(world)
-            if after is None:
-                raise UserError(f"--resume: {work_dir} holds no unit that every rank finished; start over with "
-                                f"--fresh")
-            state.check_readable(after, world)
-            logger.info("--resume: continuing the run in %s after unit %d", work_dir, after)
-            return work_dir, after
-        if work_dir.exists():
-            if state.recorded_fingerprint() is not None and state.has_units():
-                raise UserError(f"--save_path {plan.save_path}: an interrupted run left resumable state in {work_dir}; "
-                                f"continue it with --resume, or start over with --fresh (or delete that folder)")
-            shutil.rmtree(work_dir)  # left by a run that finished no unit: nothing to resume
         work_dir.mkdir()
-        state.start(expected)
+        ResumeState(work_dir).start(expected)
     except OSError as exc:
         where = exc.filename or plan.save_path.parent
         message = "no space left" if exc.errno == errno.ENOSPC else exc.strerror
@@ -498,6 +504,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     checked = _plan(args)
     _check_save_path(checked.model_path, checked.save_path)
     _check_free_space(checked.model_path, checked.save_path)
+    _check_state(checked, args)
     spec = checked.chosen.practice.spec
     # one process's adapter: the model on the meta device, the checkpoint's headers checked, no weight read
     adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)

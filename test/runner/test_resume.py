@@ -184,9 +184,11 @@ def refused(args: list[str], capsys) -> str:
 
 
 def test_a_plain_run_that_meets_resumable_state_names_both_choices(tiny_k3_checkpoint, practice, state_copy, capsys):
-    line = refused(command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), capsys)
+    args = command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice)
+    line = refused(args, capsys)
     assert "continue it with --resume, or start over with --fresh" in line
     assert ResumeState(state_copy / ".out.partial").has_units()
+    assert refused([*args, "--plan"], capsys) == line  # the plan makes the same check
 
 
 def test_fresh_discards_the_state_and_starts_over(tiny_k3_checkpoint, practice, reference, state_copy):
