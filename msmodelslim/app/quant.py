@@ -501,7 +501,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     from msmodelslim.app.plan import build_plan
     from msmodelslim.core.quant_service import prepare_run
 
-    checked = _plan(args)
+    checked = _plan(args, TorchrunRank.from_environment())  # under torchrun: the job's rank count
     _check_save_path(checked.model_path, checked.save_path)
     _check_free_space(checked.model_path, checked.save_path)
     _check_state(checked, args)
