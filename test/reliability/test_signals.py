@@ -79,6 +79,7 @@ class Run:
         while marked_processes(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marked_processes(self.marker) == [], "processes of the run are still alive"
+        self._reader.join(5)  # every writer of the pipe is gone: read what they said to its end
         left = sorted(os.listdir(self.workspace))
         if resumable_allowed and left == [".out.partial"]:
             state = ResumeState(self.workspace / ".out.partial")

@@ -159,9 +159,12 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _remove_orphaned_output(paths: list[Path], work_dir: Path, world: int) -> bool:
+_told_resumable = threading.Event()  # the watchdog and the exit path may both get here: say it once
+
+
+def _remove_orphaned_output(paths: list[Path], work_dir: Path, world: int, rank: int) -> None:
     """Remove what a dead main process left, except resumable state (the temporary output of a run in which every
-    rank finished a unit); True when that state is kept."""
+    rank finished a unit), which rank 0 then announces: nobody else is left to say how to use it."""
     keep = ResumeState(work_dir).resume_point(world) is not None
     for path in paths:
         if path == work_dir and keep:
@@ -170,7 +173,10 @@ def _remove_orphaned_output(paths: list[Path], work_dir: Path, world: int) -> bo
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    return keep
+    if keep and rank == 0 and not _told_resumable.is_set():
+        _told_resumable.set()
+        print(f"msmodelslim: the main process died; the run can be resumed: the same command with --resume "
+              f"continues it, --fresh starts over (the state is in {work_dir})", file=sys.stderr, flush=True)
 
 
 def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path], work_dir: Path, world: int) -> None:
@@ -181,9 +187,7 @@ def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path], work_dir: Pat
     def watch() -> None:
         while _alive(main_pid):
             time.sleep(0.5)
-        if _remove_orphaned_output(cleanup, work_dir, world) and rank == 0:
-            print(f"msmodelslim: the main process died; the run can be resumed: the same command with --resume "
-                  f"continues it, --fresh starts over (the state is in {work_dir})", file=sys.stderr, flush=True)
+        _remove_orphaned_output(cleanup, work_dir, world, rank)
         os._exit(1)
 
     threading.Thread(target=watch, name="main-watchdog", daemon=True).start()
@@ -254,7 +258,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
-            _remove_orphaned_output(orphaned_output, request.work_dir, world)
+            _remove_orphaned_output(orphaned_output, request.work_dir, world, rank)
 
 
 def run_service(request: QuantRequest) -> None:
