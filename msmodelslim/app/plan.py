@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from msmodelslim.formats.ascendv1 import FLOAT, is_int4
+from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.base import Unit
 
 RECORDS_FILE = Path(__file__).with_name("plan_records.json")
@@ -46,14 +46,6 @@ class LinearPlan:
     expert: bool  # rank-local under EP
 
 
-def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, splits: int, bias: int) -> int:
-    """Bytes the saver writes for one quantized linear: the weight (int8, or int4 packed two per byte), the float32
-    scale and offset [out, 1], for int4 the float32 scale_bias ([out, splits] when row-parallel), and a bias."""
-    weight = out_f * in_f // 2 if is_int4(scheme) else out_f * in_f
-    scale_bias = (out_f * (splits if row_parallel else 1) * 4) if is_int4(scheme) else 0
-    return weight + 2 * out_f * 4 + scale_bias + bias
-
-
 def shards(sizes: list[int], limit: int) -> list[int]:
     """The saver's cut: tensors in order, a shard closed before the tensor that would take it past `limit`."""
     out, pending = [], 0
@@ -68,7 +60,7 @@ def shards(sizes: list[int], limit: int) -> list[int]:
 def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
                tokens: int, samples: int) -> dict[str, Any]:
     from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, select
-    from msmodelslim.processor.save.ascendv1_saver import source_float_dtypes
+    from msmodelslim.processor.save.ascendv1_saver import quant_tensor_bytes, source_float_dtypes
 
     quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
     units = adapter.units()

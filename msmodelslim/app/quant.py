@@ -355,6 +355,19 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
     return work_dir, None
 
 
+@contextlib.contextmanager
+def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterator[None]:
+    """Whatever fails inside: `_failed` decides what stays, and a signal is re-raised as the signal."""
+    try:
+        yield
+    except BaseException as exc:
+        error = stop.replace(exc)
+        _failed(work_dir, world, error, *files)
+        if error is exc:
+            raise
+        raise error from None
+
+
 def _failed(work_dir: Path, world: int, error: BaseException, *files: Path) -> None:
     """After a failure: keep resumable state (and say how to use it), else remove the temporary output. A bad input
     found mid-run (a NaN in a layer, say) discards it too: the run cannot go on with that input, and fixing it makes
@@ -396,15 +409,9 @@ def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
         _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
         _check_free_space(plan.model_path, plan.save_path)
         work_dir, after = _open_work_dir(plan, args)
-        try:
+        with _on_failure(stop, work_dir, plan.device.world_size):
             _run_service(plan, args, work_dir, after)
             _finish_output(plan, args, work_dir)
-        except BaseException as exc:
-            error = stop.replace(exc)
-            _failed(work_dir, plan.device.world_size, error)
-            if error is exc:
-                raise
-            raise error from None
 
 
 def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
@@ -429,19 +436,13 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                 work_dir, after, token, error = torchrun.share((work_dir, after, token, error))
                 if error:
                     raise UserError(error)
-                try:
+                # rank 0 may be killed holding the lock: another rank removes it then
+                lock = () if place.is_main else (_side_name(plan.save_path, "lock"),)
+                with _on_failure(stop, work_dir, plan.device.world_size, *lock):
                     _check_shared(plan.save_path, work_dir, token, place)
                     _run_service(plan, args, work_dir, after)
                     if place.is_main:
                         _finish_output(plan, args, work_dir)
-                except BaseException as exc:
-                    error = stop.replace(exc)
-                    # rank 0 may have been killed holding the lock
-                    _failed(work_dir, plan.device.world_size, error,
-                            *(() if place.is_main else (_side_name(plan.save_path, "lock"),)))
-                    if error is exc:
-                        raise
-                    raise error from None
         finally:
             torchrun.leave()
 

@@ -8,7 +8,7 @@ shown to the Ascend op check first, also on a single rank, so a CPU run finds a 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,18 @@ import torch.distributed as torch_dist
 
 from msmodelslim.core.ascend_check import check_collective
 from msmodelslim.errors import RankLost
+
+
+@contextmanager
+def peer_loss_is_one_line(name: str, rank: int, world_size: int) -> Iterator[None]:
+    """A collective that fails because a peer is gone becomes one line naming this rank (`RankLost`), not a
+    backend traceback on every surviving rank."""
+    try:
+        yield
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:160]
+        raise RankLost(f"rank {rank} of {world_size}: {name} failed, another rank stopped or cannot be reached; the "
+                       f"first rank to fail says why ({detail})") from None
 
 
 @dataclass(frozen=True)
@@ -34,16 +46,8 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @contextmanager
-    def _collective(self, name: str) -> Iterator[None]:
-        """A collective that fails because a peer is gone becomes one line naming this rank (not a backend
-        traceback on every surviving rank)."""
-        try:
-            yield
-        except RuntimeError as exc:
-            detail = " ".join(str(exc).split())[:160]
-            raise RankLost(f"rank {self.rank} of {self.world_size}: {name} failed, another rank stopped or cannot be "
-                           f"reached; the first rank to fail says why ({detail})") from None
+    def _collective(self, name: str) -> AbstractContextManager[None]:
+        return peer_loss_is_one_line(name, self.rank, self.world_size)
 
     def barrier(self) -> None:
         if self.is_distributed:

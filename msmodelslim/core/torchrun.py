@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
-from msmodelslim.errors import RankLost, UserError
+from msmodelslim.core.dist import peer_loss_is_one_line
+from msmodelslim.errors import UserError
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -100,13 +100,8 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
-@contextmanager
-def _collective(what: str) -> Iterator[None]:
-    try:
-        yield
-    except RuntimeError as exc:
-        raise RankLost(f"rank {torch_dist.get_rank()} of {torch_dist.get_world_size()}: {what} failed, another rank "
-                       f"stopped or cannot be reached ({' '.join(str(exc).split())[:160]})") from None
+def _collective(what: str) -> AbstractContextManager[None]:
+    return peer_loss_is_one_line(what, torch_dist.get_rank(), torch_dist.get_world_size())
 
 
 def host() -> str:

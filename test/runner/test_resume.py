@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from reliability.test_signals import MARKER_ENV, marked_processes
 
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.cli.main import main
@@ -28,7 +29,6 @@ from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver
 
 from .dp_helpers import REPO, shrunken_practice
 
-MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 
@@ -94,22 +94,10 @@ def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
     proc.wait(120)
     reader.join(10)
     deadline = time.monotonic() + 15
-    while marked(marker) and time.monotonic() < deadline:
+    while marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not marked(marker), "processes of the run are still alive"
+    assert not marked_processes(marker), "processes of the run are still alive"
     return "".join(lines)
-
-
-def marked(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"{MARKER_ENV}={marker}".encode() in (proc / "environ").read_bytes().split(
-                    b"\0") and (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return sorted(found)
 
 
 STOPS = [("cpu", "vision", "sigterm"),  # the first unit, one process

@@ -166,6 +166,15 @@ def scale_bias(q: torch.Tensor, scale: torch.Tensor, splits: int = 1) -> torch.T
     return 8.0 * deq.reshape(out, splits, inp // splits).sum(dim=-1)
 
 
+def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, splits: int, bias: int) -> int:
+    """Bytes `_quant_tensors` writes for one quantized linear (what `--plan` sizes an output with): the weight
+    (int8, or int4 packed two per byte), the float32 scale and offset [out, 1], for int4 the float32 scale_bias
+    ([out, splits] when row-parallel), and a bias of `bias` bytes."""
+    weight = out_f * in_f // 2 if is_int4(scheme) else out_f * in_f
+    scale_bias = (out_f * (splits if row_parallel else 1) * 4) if is_int4(scheme) else 0
+    return weight + 2 * out_f * 4 + scale_bias + bias
+
+
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor owning its memory (safetensors refuses tensors that share storage)."""
     t = t.detach()
