@@ -5,12 +5,19 @@ Layout of an output directory:
     quant_model_weights-0000k-of-0000N.safetensors         (N shards)
     quant_model_weights.safetensors.index.json             {"metadata": {"total_size"}, "weight_map": {name: file}}
     quant_model_description.json                           {name: type, "model_quant_type", "version", ...}
-Per quantized linear X (types W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC; symmetric, offsets are zero):
+Per quantized linear X of an integer type (W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC; symmetric, offsets zero):
     X.weight         int8 [out, in]  (W8A8)  or  int4 packed two per byte along the OUTPUT dim, int8 [out/2, in]
                      (W4A*: see quant.packing; this is the "version 1.0.0" layout of vLLM-Ascend)
     X.weight_scale   float32 [out, 1];  X.weight_offset float32 zeros [out, 1]
+    X.weight_scale_second, X.weight_offset_second   float32 [out, in / group_size] (per-group W4A8_DYNAMIC: the
+                     group scales and zeros; weight_scale is then 1, the kernel multiplies the two)
     X.scale_bias     (int4 weights) float32 [out, 1], or [out, 16] for row-parallel linears (w2/down_proj/o_proj)
-    X.bias, X.online_rotation   when the linear has them
+Per quantized linear X of an MX type (W4A16_MXFP4 / W4A8_MXFP / W4A4_MXFP4 with FP4 weights, W8A8_MXFP8):
+    X.weight         FP4 codes two per byte along the input dim (element 2j in the low nibble), uint8 [out, in/2],
+                     or E4M3 elements, float8_e4m3fn [out, in]
+    X.weight_scale   E8M0 exponents (e + 127), uint8 [out, in/32]; no offset
+Either kind: X.bias, X.online_rotation when the linear has them. The header's `group_size` is the one value every
+scheme present reads: 0 (per-channel W4A8_DYNAMIC, or nothing reads it), the W4A8 group size, or 32 (MX).
 Per quantized attention A (fa3_quant; msModelSlim 26.1.0's layout, vllm-ascend 0.23's FAKQuant reads it):
     A.fa_{q,k,v}.scale   float32 [heads, 1] (fa_q: the attention's heads; fa_k / fa_v: the one latent cache), and
     A.fa_{q,k,v}.offset  zeros [heads, 1], int8 for int8 points, float32 for fp8 ones: both described "FAQuant",
@@ -34,8 +41,8 @@ from safetensors import SafetensorError, safe_open
 
 from msmodelslim.errors import UserError
 from msmodelslim.quant.attention import FA3_BRANCHES, AttentionQuantSpec
-from msmodelslim.quant.functional import dequantize
-from msmodelslim.quant.modules import ONLINE_ROTATION, SCHEMES
+from msmodelslim.quant.granularity import IntDtype
+from msmodelslim.quant.modules import ONLINE_ROTATION, SCHEMES, dequantize_weight, get_scheme
 from msmodelslim.quant.packing import unpack_int4
 
 WEIGHTS_NAME = "quant_model_weights.safetensors"
@@ -43,7 +50,7 @@ INDEX_NAME = "quant_model_weights.safetensors.index.json"
 DESCRIPTION_NAME = "quant_model_description.json"
 FORMAT_VERSION = "1.0.0"
 FLOAT = "FLOAT"
-QUANT_TYPES = tuple(SCHEMES)  # W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC
+QUANT_TYPES = tuple(SCHEMES)  # the integer (A2/A3) and MX (Ascend 950) schemes of quant/modules.py
 FA_TENSOR = "FAQuant"  # the type of an attention point's scale and offset
 FA_QUANT_TYPE = "FAKQuant"  # `fa_quant_type`: the attention scheme vllm-ascend registers for MLA (kv_c8.py:30)
 ATTENTION_QUANT_KEY = ".quant_type"  # `<attention>.quant_type`
@@ -51,10 +58,13 @@ TENSOR_TYPES = (FLOAT, *QUANT_TYPES, FA_TENSOR)
 # Description keys that are not tensor names.
 HEADER_KEYS = ("model_quant_type", "version", "group_size", "fa_quant_type", "metadata", "optional")
 # Tensors that accompany a quantized linear's `weight` (the reader hides them from keys()).
-QUANT_AUX = ("weight_scale", "weight_offset", "scale_bias", "bias", ONLINE_ROTATION)
+QUANT_AUX = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "scale_bias", "bias",
+             ONLINE_ROTATION)
 DEQUANT_DTYPE = torch.bfloat16
-# The most aggressive weight scheme present names the model (model_quant_type).
-SEVERITY = {FLOAT: 0, "W8A8_DYNAMIC": 1, "W4A8_DYNAMIC": 2, "W4A4_DYNAMIC": 3}
+# The most aggressive weight scheme present names the model (model_quant_type), in msModelSlim 26.1.0's order
+# (`QUANT_TYPE_PRIORITY`; it has no W4A16_MXFP4, placed after the 8-bit weights).
+SEVERITY = {FLOAT: 0, "W8A8_DYNAMIC": 1, "W8A8_MXFP8": 2, "W4A16_MXFP4": 3, "W4A8_DYNAMIC": 4, "W4A8_MXFP": 5,
+            "W4A4_DYNAMIC": 6, "W4A4_MXFP4": 7}
 
 
 def shard_name(index: int, total: int) -> str:
@@ -63,7 +73,9 @@ def shard_name(index: int, total: int) -> str:
 
 
 def is_int4(quant_type: str) -> bool:
-    return quant_type in SCHEMES and SCHEMES[quant_type].weight.bits == 4
+    """Integer 4-bit weights (packed along the output dim, with scale_bias); MXFP4 is not."""
+    weight = SCHEMES[quant_type].weight if quant_type in SCHEMES else None
+    return isinstance(weight, IntDtype) and weight.bits == 4
 
 
 class AscendV1Error(UserError):
@@ -184,11 +196,12 @@ class AscendV1Reader:
         return name in self.weight_map
 
     def get(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A tensor as stored, or for a quantized linear's `X.weight` q * weight_scale computed in float32 and
-        returned as `dtype` (default bfloat16, the dtype the runtime computes in)."""
+        """A tensor as stored, or for a quantized linear's `X.weight` its dequantised weight computed in float32
+        and returned as `dtype` (default bfloat16, the dtype the runtime computes in)."""
         if name.endswith(".weight") and name[: -len(".weight")] in self._quantized:
-            q, scale = self.quantized_weight(name[: -len(".weight")], device)
-            return dequantize(q, scale, dtype=dtype or DEQUANT_DTYPE)
+            linear = name[: -len(".weight")]
+            q, scale = self.quantized_weight(linear, device)
+            return dequantize_weight(get_scheme(self.quant_type(linear)), q, scale, dtype or DEQUANT_DTYPE)
         t = self.get_stored(name, device)
         return t if dtype is None else t.to(dtype)
 
@@ -222,15 +235,27 @@ class AscendV1Reader:
         return sorted(self._quantized)
 
     def quantized_weight(self, linear_name: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 [out, in] unpacked integer values, weight_scale float32 [out, 1]) of a quantized linear."""
+        """(qweight, weight_scale) of a quantized linear as `QuantLinear` holds them: unpacked integers int8
+        [out, in] with float32 scales [out, 1] or [out, in / group] (weight_scale * weight_scale_second), or MX
+        elements uint8 with E8M0 exponents uint8 [out, in / 32]."""
         qtype = self.quant_type(linear_name)
         if qtype not in QUANT_TYPES:
             raise ValueError(f"{linear_name} is {qtype}, not a quantized linear")
         q = self.get_stored(f"{linear_name}.weight", device)
+        scale = self.get_stored(f"{linear_name}.weight_scale", device)
+        if get_scheme(qtype).is_mx:
+            q = q.view(torch.uint8)  # E4M3 elements are stored as float8_e4m3fn
+            if scale.dtype != torch.uint8 or scale.dim() != 2 or scale.shape[0] != q.shape[0]:
+                raise AscendV1Error(f"{self.out_dir}: {linear_name}: {qtype} weight_scale must be uint8 E8M0 "
+                                    f"[{q.shape[0]}, in/32], got {scale.dtype} {list(scale.shape)}")
+            return q, scale
         if is_int4(qtype):
             q = unpack_int4(q, dim=0)
-        scale = self.get_stored(f"{linear_name}.weight_scale", device).to(torch.float32)
-        if q.dtype != torch.int8 or scale.shape != (q.shape[0], 1):
+        scale = scale.to(torch.float32)
+        second = f"{linear_name}.weight_scale_second"
+        if second in self.weight_map:
+            scale = scale * self.get_stored(second, device).to(torch.float32)
+        if q.dtype != torch.int8 or scale.shape[0] != q.shape[0] or q.shape[1] % scale.shape[1]:
             raise AscendV1Error(f"{self.out_dir}: {linear_name}: weight {q.dtype} {list(q.shape)} does not match "
                                 f"weight_scale {list(scale.shape)}")
         return q, scale

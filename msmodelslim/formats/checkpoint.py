@@ -178,6 +178,21 @@ class CheckpointReader:
         scale = self._read(scale_key).to(device)
         return decode_mxfp4(packed, scale, dtype=dtype or torch.bfloat16, exponent_bias=bias, name=name)
 
+    def mxfp4_bytes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """MXFP4 ``name`` as stored: (codes uint8 [out, in/2], E8M0 exponents uint8 [out, in/32]), the exponents
+        moved to the spec's bias 127 when the writer used another (compressed-tensors 0.13: the same values, no
+        decoding)."""
+        self.check_mxfp4_layout(name)
+        stored = self._stored_key(name)
+        packed, scale = self._read(stored), self._read(_module_of(stored) + _SCALE)
+        shift = 127 - self.quant_scheme.exponent_bias
+        if shift:
+            if int(scale.max()) + shift > 254:
+                raise CheckpointError(f"{self._where(stored)}: {name}: an E8M0 exponent is out of range once "
+                                      f"moved to bias 127")
+            scale = scale + shift
+        return packed, scale
+
     def get_stored(self, stored_key: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """A tensor exactly as stored (e.g. ``X.weight_packed``), no decoding."""
         if stored_key not in self._weight_map:

@@ -116,6 +116,15 @@ class ModelAdapter(ABC):
         """Other names a serving engine looks the description entry `name` up by (none by default)."""
         return []
 
+    def source_mxfp4(self, unit: Unit, live_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The source checkpoint's own MXFP4 bytes of linear `live_name` of `unit`: (codes uint8 [out, in/2],
+        E8M0 exponents uint8 [out, in/32], bias 127), or None when the source stores it otherwise."""
+        return None
+
+    def stores_mxfp4(self, name: str) -> bool:
+        """Whether the source checkpoint stores linear `name` (a serving name) as MXFP4 (headers only)."""
+        return False
+
     def is_expert(self, live_name: str) -> bool:
         """True for modules owned by one expert-parallel rank (their statistics are not reduced across ranks)."""
         return False

@@ -18,11 +18,23 @@ Non-decoder units (kind "vision", "embed", "head") are left float unless an incl
 a wildcard matches: such a glob spells out the checkpoint prefix (`vision_tower.*`, `language_model.lm_head`), so
 catch-alls like "*" or "*self_attn*" never quantize the vision tower or the lm_head by accident.
 
-Weight methods (`qconfig.weight.method`, per-channel scales; `quant/modules.py`): `minmax`, `ssz` (least-squares
-refined minmax), `grid` (clipping grid + refinement), `gptq` (GPTQ on the input Hessian the runner records, with
-the diag(H)-weighted grid scale; `ext: {percdamp: 0.01, block_size: 128, act_order: true}` as msModelSlim names
-them). Each linear's quantization is one job for the runner: replicated linears are spread over data-parallel
-ranks and broadcast, routed experts are quantized by the rank that holds them.
+Schemes (`qconfig` dtypes -> the AscendV1 type, `quant/modules.py`):
+    int8 / int8 per_token -> W8A8_DYNAMIC     int4 / int8 -> W4A8_DYNAMIC     int4 / int4 -> W4A4_DYNAMIC   (A2/A3)
+    mxfp4 / null -> W4A16_MXFP4   mxfp4 / mxfp8 -> W4A8_MXFP   mxfp8 / mxfp8 -> W8A8_MXFP8   mxfp4 / mxfp4 ->
+    W4A4_MXFP4 (Ascend 950; weight and act scope per_block: blocks of 32 with E8M0 exponents, quant/mx.py)
+Integer weights are per channel, or per group with `scope: per_group` and `ext: {group_size: N}` (W4A8_DYNAMIC only:
+vllm-ascend's MoE kernel reads one group size for the model, from the description).
+
+Weight methods (`qconfig.weight.method`; `quant/modules.py`): `minmax`, `ssz` (least-squares refined minmax),
+`grid` (clipping grid + refinement; for MX the exponent search of quant/mx.py), `gptq` (GPTQ on the input Hessian
+the runner records, with the diag(H)-weighted grid scale; `ext: {percdamp: 0.01, block_size: 128, act_order: true}`
+as msModelSlim names them; integer weights). Each linear's quantization is one job for the runner: replicated
+linears are spread over data-parallel ranks and broadcast, routed experts are quantized by the rank that holds them.
+
+The checkpoint's own MXFP4 (`W4A16_MXFP4`, `W4A8_MXFP`, `W4A4_MXFP4`): a linear the source stores as MXFP4 whose
+weight no earlier processor changed (no rotation, no smoothing: its weight still equals the decoded bytes) keeps the
+source's bytes, exactly, with no decode and re-encode; a changed one is quantized again from its new weight, and
+the log says how many of each a unit has.
 """
 
 from __future__ import annotations
@@ -44,37 +56,63 @@ from msmodelslim.processor.globs import matching, selected
 from msmodelslim.quant.gptq import GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
 from msmodelslim.quant.modules import QuantLinear, QuantScheme, quantize_weight, scheme_for
+from msmodelslim.quant.mx import MX_FORMATS, decode_weight, mx_format
 
 logger = logging.getLogger(__name__)
 
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 GPTQ_EXT = {"percdamp": "damp", "block_size": "block_size", "act_order": "act_order"}  # msModelSlim's ext keys
+GROUP_KEY = "group_size"  # ext key of per-group weights, as msModelSlim spells it
 GPTQ_BATCH_BYTES = 2 << 30  # float32 Hessians per batched GPTQ of experts (its temporaries are a few times this)
+
+
+def _dtype(name: str) -> Any:
+    return mx_format(name) if name in MX_FORMATS else int_dtype(name)
 
 
 @dataclass
 class ActQConfig:
-    scope: Literal["per_token"] = "per_token"  # dynamic: the serving kernel quantizes each token
-    dtype: Literal["int8", "int4"] = "int8"
+    scope: Literal["per_token", "per_block"] = "per_token"  # dynamic: the serving kernel quantizes each token
+    dtype: Literal["int8", "int4", "mxfp8", "mxfp4"] = "int8"
     symmetric: Literal[True] = True
     method: Literal["minmax"] = "minmax"
+
+    def validate(self) -> None:
+        mx = self.dtype in MX_FORMATS
+        if (self.scope == "per_block") != mx:
+            raise ValueError(f"act: scope {self.scope} does not go with dtype {self.dtype} (MX dtypes are per_block, "
+                             f"integer ones per_token)")
 
 
 @dataclass
 class WeightQConfig:
-    scope: Literal["per_channel"] = "per_channel"
-    dtype: Literal["int8", "int4"] = "int8"
+    scope: Literal["per_channel", "per_group", "per_block"] = "per_channel"
+    dtype: Literal["int8", "int4", "mxfp8", "mxfp4"] = "int8"
     symmetric: Literal[True] = True
     method: Literal["ssz", "minmax", "grid", "gptq"] = "ssz"
-    ext: dict[str, Any] = field(default_factory=dict)  # gptq: percdamp (0.01), block_size (128), act_order (true)
+    # gptq: percdamp (0.01), block_size (128), act_order (true); per_group: group_size
+    ext: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        if self.ext and self.method != "gptq":
-            raise ValueError(f"ext is only read by method gptq, not {self.method!r}")
-        unknown = sorted(set(self.ext) - set(GPTQ_EXT))
+        mx = self.dtype in MX_FORMATS
+        if (self.scope == "per_block") != mx:
+            raise ValueError(f"weight: scope {self.scope} does not go with dtype {self.dtype} (MX dtypes are "
+                             f"per_block, integer ones per_channel or per_group)")
+        if mx and self.method not in ("minmax", "grid"):
+            raise ValueError(f"weight: MX weights take method minmax or grid, not {self.method!r}")
+        group = self.ext.get(GROUP_KEY)
+        if (self.scope == "per_group") != (group is not None):
+            raise ValueError("weight: scope per_group needs ext.group_size, and ext.group_size needs scope per_group")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group <= 0
+                                  or group % 32):
+            raise ValueError(f"weight: ext.group_size must be a positive multiple of 32, got {group!r}")
+        gptq_keys = set(self.ext) - {GROUP_KEY}
+        if gptq_keys and self.method != "gptq":
+            raise ValueError(f"ext.{sorted(gptq_keys)[0]} is only read by method gptq, not {self.method!r}")
+        unknown = sorted(gptq_keys - set(GPTQ_EXT))
         if unknown:
-            raise ValueError(f"ext: unknown key {unknown[0]!r} (expected {', '.join(GPTQ_EXT)})")
+            raise ValueError(f"ext: unknown key {unknown[0]!r} (expected {', '.join([*GPTQ_EXT, GROUP_KEY])})")
         opts = self.gptq
         if not 0 < opts.damp < 1:
             raise ValueError(f"ext.percdamp must be in (0, 1), got {opts.damp!r}")
@@ -85,12 +123,17 @@ class WeightQConfig:
 
     @property
     def gptq(self) -> GPTQOptions:
-        return GPTQOptions(**{GPTQ_EXT[k]: v for k, v in self.ext.items()})
+        return GPTQOptions(**{GPTQ_EXT[k]: v for k, v in self.ext.items() if k in GPTQ_EXT})
+
+    @property
+    def group_size(self) -> int:
+        """Inputs per integer weight scale (0: per channel; MX blocks are not groups here)."""
+        return int(self.ext.get(GROUP_KEY, 0))
 
 
 @dataclass
 class QConfig:
-    act: ActQConfig = field(default_factory=ActQConfig)
+    act: ActQConfig | None = field(default_factory=ActQConfig)  # null: weight-only (W4A16_MXFP4)
     weight: WeightQConfig = field(default_factory=WeightQConfig)
 
 
@@ -102,13 +145,16 @@ class LinearQuantConfig(ProcessorConfig):
 
     def validate(self) -> None:
         try:
-            self.scheme  # noqa: B018 - validates the dtype pair
+            scheme = self.scheme
         except ValueError as exc:
             raise ValueError(f"qconfig: {exc}") from None
+        if self.qconfig.weight.group_size and scheme.name != "W4A8_DYNAMIC":
+            raise ValueError(f"qconfig: per-group weights are served for W4A8_DYNAMIC only, not {scheme.name}")
 
     @property
     def scheme(self) -> QuantScheme:
-        return scheme_for(int_dtype(self.qconfig.weight.dtype), int_dtype(self.qconfig.act.dtype))
+        act = self.qconfig.act
+        return scheme_for(_dtype(self.qconfig.weight.dtype), None if act is None else _dtype(act.dtype))
 
 
 def select(name: str, unit_kind: str, include: list[str], exclude: list[str]) -> bool:
@@ -148,21 +194,42 @@ class LinearQuantProcessor(Processor):
                 linears[live_name] = mod
         if not linears:
             return
+        native = self._native_mxfp4(ctx, linears)
         hessians: dict[str, torch.Tensor] = {}
         tokens: dict[str, int] = {}
-        if weight_cfg.method == "gptq":
+        if weight_cfg.method == "gptq" and linears:
             stats = yield Observe(hessian=tuple(linears))
             hessians, tokens = stats.hessian, stats.tokens
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
-        for live_name, linear in linears.items():
+        quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
+        for live_name, (q, scale) in quantized.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
-            quantized = (merged[f"{live_name}.q"], merged[f"{live_name}.scale"])
-            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=quantized))
-        logger.info("linear_quant %s (%s): %s quantized %d linears", scheme.name, weight_cfg.method, ctx.unit.name,
-                    len(linears))
+            linear = parent.get_submodule(child)
+            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=(q, scale)))
+        kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""
+        logger.info("linear_quant %s (%s): %s quantized %d linears%s", scheme.name, weight_cfg.method, ctx.unit.name,
+                    len(quantized), kept)
+
+    def _native_mxfp4(self, ctx: UnitContext, linears: dict[str, nn.Linear]) -> dict[str, tuple]:
+        """Linears whose source bytes are the answer (module docstring), taken out of `linears`: live name ->
+        (packed codes, E8M0 scales) as the checkpoint stores them."""
+        fmt = self.config.scheme.weight
+        if not self.config.scheme.is_mx or fmt.bits != 4:
+            return {}
+        native = {}
+        for live_name, linear in list(linears.items()):
+            source = ctx.adapter.source_mxfp4(ctx.unit, live_name)
+            if source is None:
+                continue
+            w = linear.weight.detach()
+            packed, scale = (t.to(w.device) for t in source)
+            if torch.equal(decode_weight(packed, scale, fmt, w.dtype), w):
+                native[live_name] = (packed, scale)
+                del linears[live_name]
+        return native
 
     def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
               tokens: dict[str, int]) -> list[Job]:
@@ -181,16 +248,24 @@ class LinearQuantProcessor(Processor):
         jobs = []
         for (shape, local), batches in groups.items():
             out_f, in_f = shape
+            q_spec, scale_spec = self._output_specs(out_f, in_f)
             for names in batches:
                 outputs = {}
                 for n in names:
-                    outputs[f"{n}.q"] = ((out_f, in_f), torch.int8)
-                    outputs[f"{n}.scale"] = ((out_f, 1), torch.float32)
+                    outputs[f"{n}.q"], outputs[f"{n}.scale"] = q_spec, scale_spec
                 work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
                                [hessians.get(n) for n in names], [tokens.get(n) for n in names])
                 cost = len(names) * out_f * in_f * (in_f if gptq else 1)
                 jobs.append(Job(names[0], cost, work, outputs, local=local))
         return jobs
+
+    def _output_specs(self, out_f: int, in_f: int) -> tuple[tuple, tuple]:
+        """(shape, dtype) of a linear's quantized weight and of its scales, as QuantLinear holds them."""
+        scheme, group = self.config.scheme, self.config.qconfig.weight.group_size
+        if scheme.is_mx:
+            packing = 2 if scheme.weight.bits == 4 else 1
+            return ((out_f, in_f // packing), torch.uint8), ((out_f, in_f // 32), torch.uint8)
+        return ((out_f, in_f), torch.int8), ((out_f, in_f // group if group else 1), torch.float32)
 
     def _quantize(self, weights: list[torch.Tensor], names: list[str], hessians: list[torch.Tensor | None],
                   tokens: list[int | None]) -> dict[str, torch.Tensor]:
@@ -209,7 +284,8 @@ class LinearQuantProcessor(Processor):
                 h = torch.stack([hessians[i] for i in first.values()])
                 n = torch.tensor([tokens[i] for i in first.values()])
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index)
+                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index,
+                                   group_size=weight_cfg.group_size)
         if len(weights) == 1:
             q, scale = q[None], scale[None]
         out = {}
@@ -221,12 +297,68 @@ class LinearQuantProcessor(Processor):
         return {}
 
 
-def planned_schemes(processors: list[Processor], adapter: Any) -> dict[str, str]:
-    """Serving name -> the scheme each linear of the model will get: that of the first linear_quant entry (in YAML
-    order) selecting it, as process_unit applies them, else FLOAT."""
+def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, LinearQuantConfig | None]:
+    """Serving name -> the linear_quant entry that will quantize each linear of the model: the first one (in YAML
+    order) selecting it, as process_unit applies them, or None (FLOAT)."""
     quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
-    return {name: next((q.scheme.name for q in quantizers if select(name, unit.kind, q.include, q.exclude)), FLOAT)
+    return {name: next((q for q in quantizers if select(name, unit.kind, q.include, q.exclude)), None)
             for unit, name in adapter.linear_names()}
+
+
+def planned_schemes(processors: list[Processor], adapter: Any) -> dict[str, str]:
+    """Serving name -> the scheme each linear of the model will get (FLOAT when none)."""
+    return {name: FLOAT if cfg is None else cfg.scheme.name
+            for name, cfg in planned_configs(processors, adapter).items()}
+
+
+def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
+    """The description's one `group_size` for linears quantized by `configs` (None: no scheme reads it), refusing
+    a mix the engine cannot serve: vllm-ascend reads one group size per model, W4A8_DYNAMIC's MoE kernel as its
+    weight groups (0: per channel) and every MX scheme as its block (32)."""
+    sizes: dict[int, str] = {}
+    for cfg in configs:
+        scheme = cfg.scheme
+        if scheme.is_mx:
+            sizes.setdefault(32, scheme.name)
+        elif scheme.name == "W4A8_DYNAMIC":
+            group = cfg.qconfig.weight.group_size
+            sizes.setdefault(group, f"W4A8_DYNAMIC {'per group of %d' % group if group else 'per channel'}")
+    if len(sizes) > 1:
+        raise UserError(f"spec.process: vllm-ascend reads one group_size for the whole model, but the practice needs "
+                        f"{' and '.join(f'{g} ({who})' for g, who in sorted(sizes.items()))}; use one of them")
+    return next(iter(sizes), None)
+
+
+def check_served_schemes(processors: list[Processor], adapter: Any) -> None:
+    """What the serving engine needs of the plan, checked before any compute: one group size for the model, and
+    W4A16_MXFP4 on routed experts only (vllm-ascend registers it for MoE layers, not for linears)."""
+    planned = planned_configs(processors, adapter)
+    description_group_size([cfg for cfg in planned.values() if cfg is not None])
+    for name, cfg in planned.items():
+        if cfg is not None and cfg.scheme.name == "W4A16_MXFP4" and not adapter.is_expert(name):
+            raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
+                            f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
+
+
+def report_native_mxfp4(processors: list[Processor], adapter: Any) -> None:
+    """Log, before any compute, how many linears will keep the checkpoint's MXFP4 bytes."""
+    earlier: list[str] = []
+    for processor in processors:
+        if isinstance(processor, LinearQuantProcessor):
+            scheme = processor.config.scheme
+            if scheme.is_mx and scheme.weight.bits == 4:
+                cfg = processor.config
+                chosen = [name for name, c in planned_configs(processors, adapter).items() if c is cfg]
+                stored = sum(adapter.stores_mxfp4(name) for name in chosen)
+                if not earlier:
+                    fate = "all of them keep the checkpoint's bytes (no processor before this one changes weights)"
+                else:
+                    fate = (f"{', '.join(earlier)} run first: those whose weights they change are quantized again "
+                            f"(the log says how many per layer), the others keep the checkpoint's bytes")
+                logger.info("linear_quant %s: %d of its %d linears are MXFP4 in the checkpoint; %s", scheme.name,
+                            stored, len(chosen), fate)
+        elif not getattr(processor, "quantizes_attention", False):
+            earlier.append(processor.name)
 
 
 def check_fused_groups(processors: list[Processor], adapter: Any) -> None:

@@ -90,7 +90,8 @@ def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
                   options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None,
                   index: torch.Tensor | None = None) -> torch.Tensor:
-    """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1], minimising
+    """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1] (or one scale per
+    weight, [..., out, in]: per-group scales repeated over their group), minimising
     tr(dW H dW^T) (H shrunk toward its diagonal when `tokens`, the rows it summed, is given).
 
     Leading dims are a batch of independent matrices of one shape (a layer's routed experts): one column loop
@@ -126,7 +127,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
     if perm is not None:
         Wt = torch.gather(Wt, 1, perm[index][:, :, None].expand_as(Wt))
     Wt = torch.empty(Wt.shape, dtype=work, device=Wt.device).copy_(Wt)  # never w itself, even in float32
-    s = scale.to(w.device, work).reshape(batch, 1, -1)
+    per_column = scale.shape[-1] != 1
+    if per_column:  # like the columns: [B, in, out], act-order applied
+        S = scale.to(w.device, work).transpose(-2, -1).reshape(batch, cols, -1)
+        S = torch.gather(S, 1, perm[index][:, :, None].expand_as(S)) if perm is not None else S.contiguous()
+    else:
+        row_scale = scale.to(w.device, work).reshape(batch, 1, -1)
     Qt = torch.empty(Wt.shape, dtype=torch.int8, device=Wt.device)
     Qb = torch.empty_like(Wt[:, :block_size])  # a block's integers, in float
     Err = torch.empty_like(Qb)
@@ -141,8 +147,9 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         Hb = Hinv[:, start:end, start:end][index]
         diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
         rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
-        views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1))
-        for i, (col, q, err) in enumerate(views):
+        scales = S[:, start:end].split(1, dim=1) if per_column else [row_scale] * n
+        views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
+        for i, (col, q, err, s) in enumerate(views):
             torch.div(col, s, out=q)
             q.round_().clamp_(dtype.qmin, dtype.qmax)
             torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers

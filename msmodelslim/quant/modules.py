@@ -1,11 +1,16 @@
-"""QuantLinear: the deployed computation of a dynamically quantized linear, used during and after calibration.
+"""QuantLinear: the deployed computation of a quantized linear, used during and after calibration.
 
-Forward (what vLLM-Ascend computes for W8A8_DYNAMIC / W4A8_DYNAMIC):
+Forward (what vLLM-Ascend computes), so the next unit calibrates on what inference will see:
     x  <- x @ online_rotation^T                    (if the layer has one; see below)
+  integer schemes (W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC, Atlas A2/A3):
     qx, sx = per-token symmetric quantization of x  (one scale per token over the last dim, int8 or int4)
-    y  = (qx @ qweight^T) * sx * weight_scale^T    (integer GEMM, see _integer_matmul), cast to x's dtype
+    y  = (qx @ qweight^T) * sx * weight_scale^T    (integer GEMM, see _integer_matmul), cast to x's dtype;
+         with per-group weight scales [out, in / group] (W4A8_DYNAMIC, group_size > 0) the same sum over
+         qx * (q * group scale), in float32
+  MX schemes (W4A16_MXFP4 / W4A8_MXFP / W8A8_MXFP8 / W4A4_MXFP4, Ascend 950):
+    xq = x, or x quantized per block of 32 to MXFP8 / MXFP4 as the kernel does it (quant/mx.py), dequantised
+    y  = xq @ W^T with W the MX weight dequantised (exact in bfloat16), in x's dtype
     y += bias
-so the next unit calibrates on what inference will see.
 
 Online rotation convention (shared with the QuaRot processor): a linear whose input must be rotated at run time
 carries a buffer `online_rotation` T [in, in] (orthogonal); the runtime input is `x~ = x @ T^T = F.linear(x, T)`
@@ -18,6 +23,7 @@ saver writes it as `<linear>.online_rotation`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,29 +40,46 @@ from msmodelslim.quant.functional import (
 )
 from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQOptions, gptq_quantize, gptq_scale
 from msmodelslim.quant.granularity import IntDtype, PerChannel, int4, int8
+from msmodelslim.quant.mx import MXFP4, MXFP8, MXFormat, decode_weight, fake_quant_mx
 
 ONLINE_ROTATION = "online_rotation"
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """A dynamic (per-token activation) scheme with per-channel symmetric weights; `name` is its AscendV1 type.
+    """A serving scheme; `name` is its AscendV1 type. Integer schemes quantize activations per token at run time
+    and weights per channel (or per group); MX schemes use blocks of 32 with E8M0 exponents for both, and
+    `act` None keeps activations in the model dtype.
 
-    `engine_scale_dtype`: the dtype the serving engine holds the weight scale in. vllm-ascend keeps W8A8_DYNAMIC
-    scales in the model dtype (bf16; `w8a8_dynamic.py:71`) but W4A8_DYNAMIC MoE scales in fp32 (`w4a8.py:449-486`),
-    so W8A8 weights are quantized against the bf16-rounded scale: the stored integers are exact for the scale the
-    engine multiplies by (an fp32 scale would carry a per-channel gain error of up to 2^-9 = 0.2 %)."""
+    `engine_scale_dtype`: the dtype the serving engine holds an integer weight scale in. vllm-ascend keeps
+    W8A8_DYNAMIC scales in the model dtype (bf16; `w8a8_dynamic.py:71`) but W4A8_DYNAMIC MoE scales in fp32
+    (`w4a8.py:449-486`), so W8A8 weights are quantized against the bf16-rounded scale: the stored integers are exact
+    for the scale the engine multiplies by (an fp32 scale would carry a per-channel gain error of up to 2^-9). The
+    per-group W4A8 MoE kernel multiplies by fp16(weight_scale * weight_scale_second) (`w4a8.py` `process_scale`):
+    per-group scales are fp16 values. `act_rounding`: how the kernel rounds MX activations (vllm-ascend asks
+    `npu_dynamic_mx_quant` for "round", half away from zero, in W4A4_MXFP4 only; "rint" otherwise)."""
 
     name: str
-    weight: IntDtype
-    act: IntDtype
+    weight: IntDtype | MXFormat
+    act: IntDtype | MXFormat | None
     engine_scale_dtype: torch.dtype = torch.float32
+    act_rounding: str = "rint"
+
+    @property
+    def is_mx(self) -> bool:
+        return isinstance(self.weight, MXFormat)
 
 
 W8A8_DYNAMIC = QuantScheme("W8A8_DYNAMIC", int8, int8, engine_scale_dtype=torch.bfloat16)
 W4A8_DYNAMIC = QuantScheme("W4A8_DYNAMIC", int4, int8)
 W4A4_DYNAMIC = QuantScheme("W4A4_DYNAMIC", int4, int4)  # stress variant: int4 per-token activations
-SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC)}
+W4A16_MXFP4 = QuantScheme("W4A16_MXFP4", MXFP4, None)  # vllm-ascend serves it for MoE experts only
+W4A8_MXFP = QuantScheme("W4A8_MXFP", MXFP4, MXFP8)
+W8A8_MXFP8 = QuantScheme("W8A8_MXFP8", MXFP8, MXFP8)
+W4A4_MXFP4 = QuantScheme("W4A4_MXFP4", MXFP4, MXFP4, act_rounding="round")
+GROUP_SCALE_DTYPE = torch.float16  # per-group W4A8 scales: what the MoE kernel multiplies by
+SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (W8A8_DYNAMIC, W4A8_DYNAMIC, W4A4_DYNAMIC, W4A16_MXFP4,
+                                                        W4A8_MXFP, W8A8_MXFP8, W4A4_MXFP4)}
 # minmax: max|w| / qmax; ssz: least-squares refinement of minmax; grid: clipping grid + refinement (no data);
 # gptq: the diag(H)-weighted grid scale, then GPTQ's error-compensating rounding (needs the input Hessian).
 WEIGHT_METHODS = ("ssz", "minmax", "grid", "gptq")
@@ -70,12 +93,14 @@ def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
     return SCHEMES[scheme]
 
 
-def scheme_for(weight: IntDtype, act: IntDtype) -> QuantScheme:
+def scheme_for(weight: IntDtype | MXFormat, act: IntDtype | MXFormat | None) -> QuantScheme:
     """The scheme with these weight / activation dtypes (ValueError when there is none)."""
     for s in SCHEMES.values():
         if s.weight == weight and s.act == act:
             return s
-    raise ValueError(f"no dynamic scheme with {weight.name} weights and {act.name} activations")
+    pairs = ", ".join(f"{s.weight.name}/{s.act.name if s.act else 'none'}" for s in SCHEMES.values())
+    raise ValueError(f"no serving scheme has {weight.name} weights with "
+                     f"{act.name if act else 'unquantized'} activations (weight/act pairs: {pairs})")
 
 
 def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -83,16 +108,31 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
     return F.linear(x.to(torch.float32), rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
 
 
-def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_iters: int = 50,
+def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "ssz", ssz_iters: int = 50,
                     scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
                     tokens: int | torch.Tensor | None = None, gptq: GPTQOptions = DEFAULT_GPTQ,
-                    hessian_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel symmetric weight quantization: (q int8 [out, in], scale float32 [out, 1]).
+                    hessian_index: torch.Tensor | None = None, group_size: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight quantization of w [..., out, in] for one scheme's weight dtype.
 
+    Integer dtypes: (q int8 [..., out, in], scale float32 [..., out, 1], or [..., out, in / group_size] per group).
     The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
     positive one), and q is computed against exactly that value. gptq reads `hessian` (X^T X of the input) and
     `tokens` (how many rows it summed); for a batch [B, out, in], `hessian_index` [B] picks each matrix's Hessian
-    among `hessian` [U, d, d] (readers of one input share one)."""
+    among `hessian` [U, d, d] (readers of one input share one).
+    MX formats: (stored elements uint8, E8M0 scales uint8 [..., out, in / 32]) as quant/mx.py stores them; `minmax`
+    or `grid` (the exponent search, weighted by diag(H) when the Hessian is known)."""
+    if isinstance(dtype, MXFormat):
+        from msmodelslim.quant.mx import quantize_mx_weight
+
+        importance = None
+        if hessian is not None:
+            diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
+            importance = diag if hessian_index is None else diag[hessian_index.to(diag.device)]
+        return quantize_mx_weight(w, dtype, "grid" if method == "gptq" else method, importance)
+    if group_size:
+        return _quantize_groups(w, dtype, method, ssz_iters, hessian, tokens, gptq, hessian_index,
+                                group_size)
     if method == "minmax":
         _, scale = quantize_symmetric(w, dtype, PerChannel())
     elif method == "ssz":
@@ -105,12 +145,55 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype, method: str = "ssz", ssz_i
         scale = gptq_scale(w, hessian, dtype, hessian_index)
     else:
         raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
-    if scale_dtype != torch.float32:
-        tiny = torch.finfo(scale_dtype).tiny
-        scale = scale.to(scale_dtype).to(torch.float32).clamp_min(tiny)
+    scale = _representable(scale, scale_dtype)
     if method == "gptq":
-        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale.to(torch.float32)
-    return quantize_with_scale(w, scale, dtype), scale.to(torch.float32)
+        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale
+    return quantize_with_scale(w, scale, dtype), scale
+
+
+def _representable(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """float32 scales rounded to values of `scale_dtype` (never below its smallest normal)."""
+    if scale_dtype != torch.float32:
+        scale = scale.to(scale_dtype).to(torch.float32).clamp_min(torch.finfo(scale_dtype).tiny)
+    return scale.to(torch.float32)
+
+
+def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int,
+                     hessian: torch.Tensor | None, tokens: Any, gptq: GPTQOptions, hessian_index: Any,
+                     group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group integer weights: each run of `group_size` inputs of a row has its own scale, a value of
+    GROUP_SCALE_DTYPE (the W4A8 MoE kernel's), found by `method` on the group as if it were a row; gptq rounds
+    against those fixed scales with the Hessian of the whole input."""
+    *lead, out_f, in_f = w.shape
+    if in_f % group_size:
+        raise ValueError(f"in_features {in_f} is not divisible by group_size {group_size}")
+    groups = in_f // group_size
+    rows = w.reshape(*lead, out_f * groups, group_size)  # one row per (output channel, group)
+    if method == "gptq":
+        if hessian is None:
+            raise ValueError("weight method 'gptq' needs the input Hessian")
+        diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
+        diag = diag if hessian_index is None else diag[hessian_index.to(diag.device)]
+        by_group = w.reshape(*lead, out_f, groups, group_size).transpose(-3, -2)  # [..., G, out, g]
+        imp = diag.reshape(*diag.shape[:-1], groups, group_size)  # [..., G, g]
+        scale = grid_scale_search(by_group, dtype, importance=imp).transpose(-3, -2)  # [..., out, G, 1]
+    else:
+        _, scale = quantize_weight(rows, dtype, method, ssz_iters)
+    scale = _representable(scale.reshape(*lead, out_f, groups), GROUP_SCALE_DTYPE)
+    per_column = scale.repeat_interleave(group_size, dim=-1)
+    if method == "gptq":
+        return gptq_quantize(w, hessian, per_column, dtype, gptq, tokens, hessian_index), scale
+    return quantize_with_scale(w, per_column, dtype), scale
+
+
+def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [out, in] the engine multiplies by, of QuantLinear's storage (float32 math, cast to `dtype`)."""
+    if scheme.is_mx:
+        return decode_weight(qweight, weight_scale, scheme.weight, dtype)
+    group = qweight.shape[1] // weight_scale.shape[1]
+    scale = weight_scale.repeat_interleave(group, dim=1) if weight_scale.shape[1] > 1 else weight_scale
+    return dequantize(qweight, scale, dtype=dtype)
 
 
 def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
@@ -125,10 +208,14 @@ def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A linear with per-channel symmetric integer weights and dynamic per-token activation quantization.
+    """A quantized linear as the serving engine computes it (module docstring).
 
-    Buffers: `qweight` int8 [out, in] (integer values, int4 ones in [-8, 7], unpacked), `weight_scale` float32
-    [out, 1], optional `bias` (compute dtype) and optional `online_rotation` [in, in].
+    Buffers: `qweight` and `weight_scale` in the scheme's storage, optional `bias` (compute dtype) and optional
+    `online_rotation` [in, in]:
+      integer schemes: qweight int8 [out, in] (int4 values in [-8, 7], unpacked), weight_scale float32 [out, 1]
+                       (per channel) or [out, in / group_size] (per group);
+      MX schemes:      qweight uint8, FP4 codes packed two a byte [out, in / 2] or E4M3 bits [out, in], and
+                       weight_scale uint8 E8M0 exponents [out, in / 32] (quant/mx.py).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: str | QuantScheme, qweight: torch.Tensor,
@@ -139,13 +226,24 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scheme = get_scheme(scheme)
         self.compute_dtype = compute_dtype
-        if tuple(qweight.shape) != (out_features, in_features) or qweight.dtype != torch.int8:
-            raise ValueError(f"qweight must be int8 [{out_features}, {in_features}], got {qweight.dtype} "
+        if self.scheme.is_mx:
+            self.group_size = 32
+            q_shape = (out_features, in_features // (2 if self.scheme.weight.bits == 4 else 1))
+            q_dtype, s_dtype, s_cols = torch.uint8, torch.uint8, (in_features // 32,)
+        else:
+            groups = weight_scale.shape[-1] if weight_scale.dim() == 2 else 1
+            self.group_size = 0 if groups == 1 else in_features // groups
+            q_shape, q_dtype, s_dtype = (out_features, in_features), torch.int8, torch.float32
+            s_cols = (1, in_features // max(self.group_size, 1)) if self.group_size else (1,)
+        if tuple(qweight.shape) != q_shape or qweight.dtype != q_dtype:
+            raise ValueError(f"{self.scheme.name} qweight must be {q_dtype} {list(q_shape)}, got {qweight.dtype} "
                              f"{list(qweight.shape)}")
-        if tuple(weight_scale.shape) != (out_features, 1):
-            raise ValueError(f"weight_scale must be [{out_features}, 1], got {list(weight_scale.shape)}")
+        if weight_scale.dim() != 2 or weight_scale.shape[0] != out_features or weight_scale.shape[1] not in s_cols \
+                or (self.group_size and in_features % self.group_size):
+            raise ValueError(f"{self.scheme.name} weight_scale must be [{out_features}, one of {list(s_cols)}] "
+                             f"for {in_features} inputs, got {list(weight_scale.shape)}")
         self.register_buffer("qweight", qweight)
-        self.register_buffer("weight_scale", weight_scale.to(torch.float32))
+        self.register_buffer("weight_scale", weight_scale.to(s_dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(compute_dtype))
         if online_rotation is not None and tuple(online_rotation.shape) != (in_features, in_features):
             raise ValueError(f"online_rotation must be [{in_features}, {in_features}], "
@@ -155,7 +253,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
                     ssz_iters: int = 50, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantLinear:
-        """Quantize `linear`'s weight per channel (on its device) and carry over bias and online rotation.
+        """Quantize `linear`'s weight (per channel, on its device) and carry over bias and online rotation.
 
         `quantized` = (q, scale) as `quantize_weight` returns them for this weight, when already computed.
         """
@@ -169,8 +267,8 @@ class QuantLinear(nn.Module):
                    online_rotation=None if rot is None else rot.detach().clone(), compute_dtype=w.dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """qweight * weight_scale (float32 math), cast to `dtype`."""
-        return dequantize(self.qweight, self.weight_scale, dtype=dtype)
+        """The weight the engine multiplies by (float32 math), cast to `dtype`."""
+        return dequantize_weight(self.scheme, self.qweight, self.weight_scale, dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -181,14 +279,24 @@ class QuantLinear(nn.Module):
         out_dtype = x.dtype
         if self.online_rotation is not None:
             x = apply_online_rotation(x, self.online_rotation)
-        qx, sx = quantize_per_token(x, self.scheme.act)
-        acc = _integer_matmul(qx, self.qweight)
-        y = (acc * sx * self.weight_scale.t()).to(out_dtype)
+        act = self.scheme.act
+        if isinstance(act, IntDtype):
+            qx, sx = quantize_per_token(x, act)
+            if self.group_size:  # per-group scales do not factor out of the sum: float32 products
+                y = (qx.to(torch.float32) @ self.dequantized_weight().t()) * sx
+            else:
+                y = _integer_matmul(qx, self.qweight) * sx * self.weight_scale.t()
+            y = y.to(out_dtype)
+        else:  # MX: elements times powers of two are exact in the model dtype
+            if act is not None:
+                x = fake_quant_mx(x, act, self.scheme.act_rounding)
+            y = F.linear(x, self.dequantized_weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
         return y
 
     def extra_repr(self) -> str:
         rot = ", online_rotation" if self.online_rotation is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
-                f"bias={self.bias is not None}{rot}")
+        group = f", group_size={self.group_size}" if self.group_size and not self.scheme.is_mx else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+                f"{group}, bias={self.bias is not None}{rot}")

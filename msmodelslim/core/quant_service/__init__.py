@@ -37,7 +37,12 @@ from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.processor.linear_quant import check_fused_groups, planned_schemes
+from msmodelslim.processor.linear_quant import (
+    check_fused_groups,
+    check_served_schemes,
+    planned_schemes,
+    report_native_mxfp4,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +119,8 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
     for processor in processors:
         processor.preflight(adapter, schemes)
     check_fused_groups(processors, adapter)
+    check_served_schemes(processors, adapter)
+    report_native_mxfp4(processors, adapter)
     return samples, processors
 
 

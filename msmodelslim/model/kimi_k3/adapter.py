@@ -261,6 +261,15 @@ class KimiK3ModelAdapter(ModelAdapter):
     def is_expert(self, name: str) -> bool:
         return _EXPERT_RE.search(name + ".") is not None
 
+    def source_mxfp4(self, unit: Unit, live_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        names = self._tensor_names(unit, f"{live_name}.weight", source=True)
+        if len(names) != 1 or names[0] not in self.reader or not self.reader.is_mxfp4(names[0]):
+            return None
+        return self.reader.mxfp4_bytes(names[0])
+
+    def stores_mxfp4(self, name: str) -> bool:
+        return f"{name}.weight" in self.reader and self.reader.is_mxfp4(f"{name}.weight")
+
     # --- loading ---------------------------------------------------------------------------------------------
     def check_checkpoint(self) -> None:
         """Headers only, before any compute: every tensor each unit needs is stored with its shape and a usable

@@ -12,6 +12,12 @@ per-channel scale [out, 1]:
                   dim keeps its own part (vLLM-Ascend sums the columns it gets). Their total is the [out, 1] value.
       (8 = the int4 offset the Ascend int4 kernel uses when it computes with unsigned nibbles q + 8: the bias
       removes 8 * sum_k w_deq[o, k] again.)
+  W4A8_DYNAMIC per group (QuantLinear scales [out, in / g]): as above with X.weight_scale ones [out, 1] and the
+      group scales as X.weight_scale_second float32 [out, in / g] (fp16 values: vllm-ascend's MoE kernel multiplies
+      by fp16(weight_scale * weight_scale_second)), X.weight_offset_second zeros; scale_bias sums q * group scale.
+  W4A16_MXFP4 / W4A8_MXFP / W4A4_MXFP4 : X.weight uint8 [out, in/2] (FP4 codes, element 2j in the low nibble) and
+      X.weight_scale uint8 [out, in/32] (E8M0); W8A8_MXFP8 : X.weight float8_e4m3fn [out, in], X.weight_scale as
+      before. No offsets (msModelSlim 26.1.0 writes none; vllm-ascend's MX schemes create none).
   X.bias (if any) in the source dtype; X.online_rotation (if any) in its own dtype: the runtime input rotation T,
   input = x @ T^T = F.linear(x, T). All of these are described with the linear's scheme name.
 Per quantized attention point P = `<attention>.fa_{q,k,v}` (an `AttentionFakeQuant`): per head, P.scale float32
@@ -67,7 +73,7 @@ from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.base import Unit
 from msmodelslim.processor.save.base import Saver, SaverConfig, register_saver
 from msmodelslim.quant.attention import AttentionFakeQuant, AttentionQuantSpec
-from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear
+from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear, get_scheme
 from msmodelslim.quant.packing import pack_int4
 
 logger = logging.getLogger(__name__)
@@ -155,24 +161,32 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 def scale_bias(q: torch.Tensor, scale: torch.Tensor, splits: int = 1) -> torch.Tensor:
-    """8 * sum over the input dim of the dequantised weight q * scale, in `splits` contiguous input slices.
-
-    Returns float32 [out, splits]; splits=1 is the row sum [out, 1].
+    """8 * sum over the input dim of the dequantised weight q * scale (scale [out, 1] or per group [out, in / g]),
+    in `splits` contiguous input slices. Returns float32 [out, splits]; splits=1 is the row sum [out, 1].
     """
     out, inp = q.shape
     if inp % splits:
         raise ValueError(f"input dim {inp} is not divisible by {splits} scale_bias slices")
-    deq = q.to(torch.float32) * scale.to(torch.float32)
+    scale = scale.to(torch.float32)
+    if scale.shape[1] > 1:
+        scale = scale.repeat_interleave(inp // scale.shape[1], dim=1)
+    deq = q.to(torch.float32) * scale
     return 8.0 * deq.reshape(out, splits, inp // splits).sum(dim=-1)
 
 
-def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, splits: int, bias: int) -> int:
+def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, splits: int, bias: int,
+                       group_size: int = 0) -> int:
     """Bytes `_quant_tensors` writes for one quantized linear (what `--plan` sizes an output with): the weight
-    (int8, or int4 packed two per byte), the float32 scale and offset [out, 1], for int4 the float32 scale_bias
-    ([out, splits] when row-parallel), and a bias of `bias` bytes."""
-    weight = out_f * in_f // 2 if is_int4(scheme) else out_f * in_f
+    (a byte per element, or half for 4 bits), its scales (float32 scale and offset [out, 1] plus per-group ones;
+    MX: a byte per 32 inputs), for int4 the float32 scale_bias ([out, splits] when row-parallel), and a bias of
+    `bias` bytes."""
+    sch = get_scheme(scheme)
+    weight = out_f * in_f // 2 if sch.weight.bits == 4 else out_f * in_f
+    if sch.is_mx:
+        return weight + out_f * in_f // 32 + bias
+    scales = 2 * out_f * 4 + (2 * out_f * (in_f // group_size) * 4 if group_size else 0)
     scale_bias = (out_f * (splits if row_parallel else 1) * 4) if is_int4(scheme) else 0
-    return weight + 2 * out_f * 4 + scale_bias + bias
+    return weight + scales + scale_bias + bias
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -237,6 +251,7 @@ class AscendV1Saver(Saver):
         self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
         self._description: dict[str, str] = {}
         self._attention: dict[str, dict[str, list[str]]] = {}  # attention -> point -> [dtype, scope]
+        self._group_sizes: set[int] = set()  # of the QuantLinears written (MX: 32)
         self._finalized = False
 
     # --- per unit --------------------------------------------------------------------------------------------
@@ -264,12 +279,13 @@ class AscendV1Saver(Saver):
         if self._pending:
             raise RuntimeError("ascendv1_saver: tensors still buffered at a unit boundary")
         return {"files": list(self._files), "description": dict(self._description),
-                "attention": {k: dict(v) for k, v in self._attention.items()}}
+                "attention": {k: dict(v) for k, v in self._attention.items()}, "group_sizes": sorted(self._group_sizes)}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         self._files = list(state["files"])
         self._description = dict(state["description"])
         self._attention = {k: dict(v) for k, v in state["attention"].items()}
+        self._group_sizes = set(state["group_sizes"])
         kept = {entry["file"] for entry in self._files}
         prefix = _TMP_SHARD.split("-part")[0].format(rank=self.dist.rank)
         for path in self.work_dir.glob(f"{prefix}-part*.safetensors"):
@@ -295,6 +311,12 @@ class AscendV1Saver(Saver):
     def _quant_tensors(self, name: str, ql: QuantLinear) -> dict[str, torch.Tensor]:
         if ql.qweight.is_meta:
             raise ValueError(f"{name}: quantized weight is on the meta device")
+        self._group_sizes.add(ql.group_size)
+        if ql.scheme.is_mx:
+            fp8 = ql.scheme.weight.bits == 8
+            out = {f"{name}.weight": ql.qweight.cpu().view(torch.float8_e4m3fn) if fp8 else ql.qweight,
+                   f"{name}.weight_scale": ql.weight_scale}
+            return self._linear_extras(name, ql, out)
         q, s = ql.qweight, ql.weight_scale.to(torch.float32)
         out: dict[str, torch.Tensor] = {}
         if is_int4(ql.scheme.name):
@@ -310,10 +332,18 @@ class AscendV1Saver(Saver):
         else:
             out[f"{name}.weight"] = q
             sb = None
-        out[f"{name}.weight_scale"] = s
-        out[f"{name}.weight_offset"] = torch.zeros_like(s)
+        first = s if not ql.group_size else torch.ones_like(s[:, :1])
+        out[f"{name}.weight_scale"] = first
+        out[f"{name}.weight_offset"] = torch.zeros_like(first)
+        if ql.group_size:
+            out[f"{name}.weight_scale_second"] = s
+            out[f"{name}.weight_offset_second"] = torch.zeros_like(s)
         if sb is not None:
             out[f"{name}.scale_bias"] = sb
+        return self._linear_extras(name, ql, out)
+
+    def _linear_extras(self, name: str, ql: QuantLinear, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The linear's bias and online rotation, beside its quantized weight."""
         if ql.bias is not None:
             out[f"{name}.bias"] = ql.bias.to(self._source_dtypes.get(f"{name}.bias", self._default_float))
         rot = getattr(ql, ONLINE_ROTATION, None)
@@ -352,7 +382,7 @@ class AscendV1Saver(Saver):
         self._finalized = True
         self._flush()
         partial = {"rank": self.dist.rank, "files": self._files, "description": self._description,
-                   "attention": self._attention}
+                   "attention": self._attention, "group_sizes": sorted(self._group_sizes)}
         with open(self.work_dir / _PARTIAL.format(rank=self.dist.rank), "w", encoding="utf-8") as f:
             json.dump(partial, f)
 
@@ -402,9 +432,11 @@ class AscendV1Saver(Saver):
                 owner[name] = rank
         description: dict[str, str] = {}
         attention: dict[str, dict[str, list[str]]] = {}
+        group_sizes: set[int] = set()
         for p in partials:
             description.update(p["description"])
             attention.update(p.get("attention", {}))
+            group_sizes.update(p["group_sizes"])
         for name, points in attention.items():
             description[name + ATTENTION_QUANT_KEY] = attention_quant_type(
                 {b: AttentionQuantSpec(*spec) for b, spec in points.items()})
@@ -412,7 +444,12 @@ class AscendV1Saver(Saver):
             logger.warning("ascendv1_saver: no tensor was written")
         header: dict[str, Any] = {"model_quant_type": model_quant_type(set(description.values())),
                                   "version": FORMAT_VERSION}
-        header["group_size"] = 0  # per-channel weights (vLLM-Ascend assumes 256 when the key is absent)
+        # One value for the model (vLLM-Ascend's W4A8 assumes 256 when the key is absent): the per-group W4A8 group
+        # size, 32 for MX, else 0 (per channel). The practice check refused a mix (linear_quant.description_group_size).
+        read = group_sizes - {0} if group_sizes - {0} else group_sizes
+        if len(read) > 1:
+            raise ValueError(f"quantized linears need group sizes {sorted(read)}; the description holds one")
+        header["group_size"] = next(iter(read), 0)
         if FA_TENSOR in description.values():
             header["fa_quant_type"] = FA_QUANT_TYPE
         metadata = dict(metadata or {})
