@@ -37,6 +37,7 @@ from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.registry import ModelEntry, load_registry
+from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class QuantArgs:
     quant_type: str | None = None
     config_path: str | None = None
     trust_remote_code: bool = False
-    tag: str | None = None
+    tags: tuple[str, ...] = ()  # scenario tags choosing the hardware (app/practice.py)
     resume: bool = False  # continue the interrupted run of this save_path from its kept state
     fresh: bool = False  # discard such state and start over
 
@@ -152,7 +153,7 @@ def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     _check_remote_code(model_path, config, args.trust_remote_code)
     entry = load_registry().resolve(args.model_type)
     entry.check_dependencies()
-    chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path)
+    chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path, tags=args.tags)
     device = parse_device(args.device, place)
     _check_expert_split(model_path, config, device)
     spec = chosen.practice.spec
@@ -264,15 +265,17 @@ def _check_free_space(model_path: Path, save_path: Path) -> None:
 
 
 def _check_label_kept(work_dir: Path, chosen: ChosenPractice) -> None:
-    """The output must hold what the practice's label promises (`w4a8` -> some W4A8_DYNAMIC tensor)."""
+    """The output must hold what the practice's label promises (`w4a8` -> a W4A8_DYNAMIC or W4A8_MXFP tensor)."""
     label = chosen.practice.metadata.label
     if label.w_bit >= 16 and label.a_bit >= 16:
         return
-    scheme = f"W{label.w_bit}A{label.a_bit}_DYNAMIC"
+    promised = sorted(s.name for s in SCHEMES.values()
+                      if (s.weight.bits, s.act.bits if s.act else 16) == (label.w_bit, label.a_bit))
     description = json.loads((work_dir / DESCRIPTION_FILE).read_text(encoding="utf-8"))
-    if scheme not in description.values():
+    if not set(promised) & {v for v in description.values() if isinstance(v, str)}:
         raise UserError(f"{chosen.path}: the practice is labelled {chosen.practice.quant_type}, but it quantized no "
-                        f"tensor {scheme} (check the include / exclude globs of its quantizers)")
+                        f"tensor {' or '.join(promised) or '(no scheme has these bits)'} (check the include / "
+                        f"exclude globs of its quantizers)")
 
 
 @dataclass
@@ -471,8 +474,6 @@ def quant(args: QuantArgs) -> QuantResult:
     plan = _plan(args, place)
     logger.info("model_type %s -> %s (%s); practice %s; device %s", args.model_type, plan.entry.group,
                 plan.entry.entry_point, plan.chosen.path, plan.device)
-    if args.tag:
-        logger.info("tag: %s", args.tag)
     try:
         plan.save_path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--config_path", help="a practice YAML to use instead of the lookup")
     quant.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                        help="run the model code shipped in --model_path (default: False)")
-    quant.add_argument("--tag", default=None, help="free-form label recorded in the log")
+    quant.add_argument("--tag", nargs="+", default=(), metavar="TAG",
+                       help="the scenario the practice must be verified in, e.g. Ascend_950 (MX schemes); default: "
+                            "Atlas A2/A3 (lab_practice's verified_tags)")
     again = quant.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue the interrupted run of --save_path after the last unit every rank finished "
@@ -89,7 +91,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
     setup_logging(ns.log_level)
     args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=ns.device,
-        quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tag=ns.tag,
+        quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag),
         resume=ns.resume, fresh=ns.fresh,
     )
     if ns.plan or ns.plan_json:

@@ -79,16 +79,27 @@ class Label:
 
 @dataclass(frozen=True)
 class Metadata:
+    """`verified_tags` (msModelSlim 26.1.0's form): model type -> the scenarios a practice is verified in, each a
+    list of tags (`[vLLM_Ascend, Ascend_950]`); `verified_model_types` names model types without a scenario."""
+
     config_id: str
     score: float
-    verified_model_types: list[str]
     label: Label
+    verified_model_types: list[str] = field(default_factory=list)
+    verified_tags: dict[str, list[list[str]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         if not self.config_id.strip():
             raise ValueError("config_id must not be empty")
-        if not self.verified_model_types:
-            raise ValueError("verified_model_types must list at least one model type")
+        if not self.model_types:
+            raise ValueError("verified_model_types or verified_tags must name at least one model type")
+        for model_type, scenarios in self.verified_tags.items():
+            if not scenarios or not all(scenarios):
+                raise ValueError(f"verified_tags.{model_type} must list scenarios, each a non-empty list of tags")
+
+    @property
+    def model_types(self) -> list[str]:
+        return sorted(set(self.verified_model_types) | set(self.verified_tags))
 
 
 @dataclass(frozen=True)

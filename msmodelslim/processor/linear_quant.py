@@ -322,7 +322,7 @@ def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
             sizes.setdefault(32, scheme.name)
         elif scheme.name == "W4A8_DYNAMIC":
             group = cfg.qconfig.weight.group_size
-            sizes.setdefault(group, f"W4A8_DYNAMIC {'per group of %d' % group if group else 'per channel'}")
+            sizes.setdefault(group, f"W4A8_DYNAMIC {f'per group of {group}' if group else 'per channel'}")
     if len(sizes) > 1:
         raise UserError(f"spec.process: vllm-ascend reads one group_size for the whole model, but the practice needs "
                         f"{' and '.join(f'{g} ({who})' for g, who in sorted(sizes.items()))}; use one of them")
