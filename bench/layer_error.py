@@ -8,7 +8,9 @@ method, the error is ||Qa(X) Q(W)^T - X W^T||^2 / ||X W^T||^2 on the held-out X,
 quantizer (int8 for W4A8, int4 for W4A4) and Q the per-channel int4 weight quantizer of the method.
 
 Methods: minmax, ssz (the default until issue 15), grid, gptq (GPTQ with the diag(H)-weighted grid scale, the new
-default) and gptq_minmax (GPTQ with min/max scales, as msModelSlim 26.1.0 ships it). Smoothing variants, with the
+default) and gptq_minmax (GPTQ with min/max scales, as msModelSlim 26.1.0 ships it); per-group W4A8_DYNAMIC
+(issue 25): ssz_g<G> and gptq_g<G>, one fp16 scale per G inputs of a row, for G in 32, 64 (the
+mini's w2 has 192 inputs, so larger groups do not divide it). Smoothing variants, with the
 new default's weights: none, alpha 0.9 (the former practice) and the searched strength (iter_smooth's own model,
 `modelled_error`, on the calibration windows), on up-down (routed expert w2), norm-linear (KDA q_proj, MLA q_a /
 kv_a) and ov (MLA o_proj).
@@ -46,7 +48,8 @@ from msmodelslim.quant.gptq import gptq_quantize  # noqa: E402
 from msmodelslim.quant.granularity import PerChannel, int4, int8  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
 
-METHODS = ("minmax", "ssz", "grid", "gptq", "gptq_minmax")
+GROUPS = (32, 64)  # per-group W4A8_DYNAMIC (issue 25): `<method>_g<size>`; the mini's experts have 192 inputs
+METHODS = ("minmax", "ssz", "grid", "gptq", "gptq_minmax", *(f"{m}_g{g}" for g in GROUPS for m in ("ssz", "gptq")))
 NEW_DEFAULT = "gptq"
 
 
@@ -108,8 +111,9 @@ def quantized(w: torch.Tensor, method: str, h: torch.Tensor, tokens: int) -> tor
     if method == "gptq_minmax":  # msModelSlim 26.1.0: min/max scales, H as measured
         scale = minmax_scale(w, int4, PerChannel()).float()
         return gptq_quantize(w, h, scale, int4).float() * scale
-    q, scale = quantize_weight(w, int4, method, hessian=h, tokens=tokens)
-    return q.float() * scale
+    method, _, group = method.partition("_g")
+    q, scale = quantize_weight(w, int4, method, hessian=h, tokens=tokens, group_size=int(group or 0))
+    return q.float() * (scale.repeat_interleave(int(group), dim=1) if group else scale)
 
 
 def output_error(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, a_bits: Any) -> float:
@@ -207,6 +211,7 @@ def main() -> None:
         "bench": "layer_error", "model": Path(args.model).name, "machine": machine(), "matrices": len(table),
         "windows_cal": half, "windows_test": len(windows) - half, "new_default": NEW_DEFAULT,
         "expert_w4a8_error_ratio": round(ratio(NEW_DEFAULT, experts), 4),
+        "expert_w4a8_error_ratio_per_group": {g: round(ratio(f"gptq_g{g}", experts), 4) for g in GROUPS},
         "median_ratio_w4a8": {m: {"experts": round(ratio(m, experts), 4), "others": round(ratio(m, others), 4)}
                               for m in METHODS},
         "median_ratio_w4a4": {m: {"experts": round(ratio(m, experts, "w4a4"), 4),

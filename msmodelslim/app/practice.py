@@ -12,6 +12,8 @@ qualifies when one of its scenarios names Atlas_A2_Inference or Atlas_A3_Inferen
 Ascend_950` for the MX schemes of Ascend 950 / Atlas 350. Among the qualifying practices for the model type and
 quant type, the highest `metadata.score` wins; equal top scores are an error naming both files. Only the YAML files
 directly in lab_practice/<group>/ are candidates; sub-folders (e.g. recipes/ for benchmarks) are never searched.
+Any other shipped practice is taken by name: `--config_path kimi_k3_w4a8_pergroup` reads
+lab_practice/<group>/kimi_k3_w4a8_pergroup.yaml (a path that exists wins).
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def choose_practice(
         raise UserError("give exactly one of --quant_type and --config_path")
     if config_path is not None:
         path = Path(config_path)
+        shipped = practice_dir(group, root) / f"{config_path}.yaml"
+        if not path.exists() and path.name == str(config_path) and shipped.is_file():
+            path = shipped  # a shipped practice by name, e.g. kimi_k3_w4a8_pergroup
         practice = load_practice(path)
         if model_type not in practice.metadata.model_types:
             logger.warning("%s is verified for %s, not for %s", path, ", ".join(practice.metadata.model_types),

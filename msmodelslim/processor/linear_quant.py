@@ -329,15 +329,31 @@ def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
     return next(iter(sizes), None)
 
 
+# Inputs a weight's in_features must be a multiple of: W4A8_MXFP / W4A4_MXFP4 pair their E8M0 scales without
+# padding (vllm-ascend `w4a8_mxfp4.py:90-96`, `w4a4_mxfp4.py:104-115`), every MX scheme has blocks of 32.
+_MX_INPUT_MULTIPLE = {"W4A8_MXFP": 64, "W4A4_MXFP4": 64}
+
+
 def check_served_schemes(processors: list[Processor], adapter: Any) -> None:
-    """What the serving engine needs of the plan, checked before any compute: one group size for the model, and
-    W4A16_MXFP4 on routed experts only (vllm-ascend registers it for MoE layers, not for linears)."""
+    """What the serving engine needs of the plan, checked before any compute: one group size for the model,
+    W4A16_MXFP4 on routed experts only (vllm-ascend registers it for MoE layers, not for linears), and input
+    widths the scheme's blocks or groups divide."""
     planned = planned_configs(processors, adapter)
     description_group_size([cfg for cfg in planned.values() if cfg is not None])
+    widths = {adapter.checkpoint_name(unit, live): mod.in_features for unit in adapter.units()
+              for live, mod in adapter.unit_module(unit).named_modules() if live and isinstance(mod, nn.Linear)}
     for name, cfg in planned.items():
-        if cfg is not None and cfg.scheme.name == "W4A16_MXFP4" and not adapter.is_expert(name):
+        if cfg is None:
+            continue
+        scheme = cfg.scheme
+        if scheme.name == "W4A16_MXFP4" and not adapter.is_expert(name):
             raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
                             f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
+        multiple = _MX_INPUT_MULTIPLE.get(scheme.name, 32) if scheme.is_mx else cfg.qconfig.weight.group_size
+        if multiple and widths[name] % multiple:
+            raise UserError(f"spec.process: {name} has {widths[name]} inputs, which {scheme.name}"
+                            f"{'' if scheme.is_mx else f' per group of {multiple}'} needs in multiples of {multiple}; "
+                            f"exclude it from that linear_quant entry")
 
 
 def report_native_mxfp4(processors: list[Processor], adapter: Any) -> None:
