@@ -1,5 +1,6 @@
 """app.practice: --quant_type lookup in lab_practice/<group>/ (highest score wins, ties are errors, sub-folders
-are ignored) and the shipped practices themselves. References: the literal file names expected to win."""
+are ignored, the hardware is Atlas A2/A3 unless --tag asks for another) and the shipped practices themselves.
+References: the literal file names expected to win."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from msmodelslim.app.practice import find_practice
+from msmodelslim.app.practice import choose_practice, find_practice
 from msmodelslim.app.resources import resource_path
 from msmodelslim.errors import UserError
 
@@ -22,11 +23,15 @@ spec: {{}}
 """
 
 
-def practice(root: Path, name: str, score: float, w: int = 4, a: int = 8, models: str = "M", sub: str = "") -> Path:
+def practice(root: Path, name: str, score: float, w: int = 4, a: int = 8, models: str = "M", sub: str = "",
+             tags: list[list[str]] | None = None) -> Path:
     folder = root / "grp" / sub
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.yaml"
-    path.write_text(HEADER.format(name=name, score=score, w=w, a=a, models=models))
+    text = HEADER.format(name=name, score=score, w=w, a=a, models=models)
+    if tags is not None:
+        text = text.replace(f"  verified_model_types: [{models}]\n", f"  verified_tags: {{{models}: {tags}}}\n")
+    path.write_text(text)
     return path
 
 
@@ -42,7 +47,7 @@ def test_highest_score_wins(tmp_path):
 def test_quant_type_is_case_insensitive_and_suffixes_count(tmp_path):
     plain = practice(tmp_path, "w8a8", 50, w=8)
     assert find_practice("M", "W8A8", "grp", tmp_path) == plain
-    with pytest.raises(UserError, match="available quant types: w8a8"):
+    with pytest.raises(UserError, match=r"available: w8a8 \(untagged\)"):
         find_practice("M", "w8a8s", "grp", tmp_path)
 
 
@@ -57,10 +62,35 @@ def test_tied_top_score_names_both_files(tmp_path):
 
 def test_no_match_lists_available(tmp_path):
     practice(tmp_path, "x", 1, w=8, a=16)
-    with pytest.raises(UserError, match="available quant types: w8a16"):
+    with pytest.raises(UserError, match=r"available: w8a16 \(untagged\)"):
         find_practice("M", "w4a8", "grp", tmp_path)
-    with pytest.raises(UserError, match=r"available quant types: \(none\)"):
+    with pytest.raises(UserError, match=r"available: \(none\)"):
         find_practice("Unverified", "w4a8", "grp", tmp_path)
+
+
+def test_without_tags_the_atlas_a2_a3_practice_is_chosen_and_tags_choose_another_hardware(tmp_path):
+    a3 = practice(tmp_path, "int", 90, tags=[["vLLM_Ascend", "Atlas_A2_Inference"], ["vLLM_Ascend", "Atlas_A3_Inference"]])
+    a5 = practice(tmp_path, "mx", 95, tags=[["vLLM_Ascend", "Ascend_950"], ["vLLM_Ascend", "Atlas_350"]])
+    assert find_practice("M", "w4a8", "grp", tmp_path) == a3  # the higher score serves other hardware
+    assert find_practice("M", "w4a8", "grp", tmp_path, ("ascend_950",)) == a5  # tags match case-insensitively
+    assert find_practice("M", "w4a8", "grp", tmp_path, ("vLLM_Ascend", "Atlas_350")) == a5
+    assert find_practice("M", "w4a8", "grp", tmp_path, ("Atlas_A3_Inference",)) == a3
+    with pytest.raises(UserError, match=r"on --tag Ascend_950 Atlas_A3_Inference .*available: w4a8 \(vLLM_Ascend"):
+        find_practice("M", "w4a8", "grp", tmp_path, ("Ascend_950", "Atlas_A3_Inference"))  # one scenario holds all
+
+
+def test_an_untagged_practice_serves_the_default_hardware_only(tmp_path):
+    plain = practice(tmp_path, "plain", 50)
+    assert find_practice("M", "w4a8", "grp", tmp_path) == plain
+    with pytest.raises(UserError, match="no practice for --model_type M --quant_type w4a8 on --tag Ascend_950"):
+        find_practice("M", "w4a8", "grp", tmp_path, ("Ascend_950",))
+
+
+def test_a_shipped_practice_is_taken_by_name(tmp_path):
+    chosen = choose_practice("Kimi-K3", "kimi_k3", None, "kimi_k3_w4a8_pergroup")
+    assert chosen.path == resource_path("lab_practice") / "kimi_k3" / "kimi_k3_w4a8_pergroup.yaml"
+    with pytest.raises(UserError, match="not found"):
+        choose_practice("Kimi-K3", "kimi_k3", None, "kimi_k3_no_such_practice")
 
 
 @pytest.mark.parametrize(
@@ -73,6 +103,15 @@ def test_shipped_lookup(model_type, quant_type, file):
     assert find_practice(model_type, quant_type, "kimi_k3") == resource_path("lab_practice") / "kimi_k3" / file
 
 
+@pytest.mark.parametrize(("quant_type", "stem"), [("w4a16", "w4a16_mxfp4"), ("w4a8", "w4a8_mxfp"),
+                                                  ("w4a4c8", "w4a4c8_mxfp")])
+@pytest.mark.parametrize(("model_type", "prefix"), [("Kimi-K3", "kimi_k3"), ("Kimi-Linear", "kimi_linear")])
+@pytest.mark.parametrize("tag", ["Ascend_950", "Atlas_350"])
+def test_shipped_ascend_950_lookup(model_type, prefix, quant_type, stem, tag):
+    found = find_practice(model_type, quant_type, "kimi_k3", tags=(tag,))
+    assert found == resource_path("lab_practice") / "kimi_k3" / f"{prefix}_{stem}.yaml"
+
+
 SHIPPED = sorted((resource_path("lab_practice")).rglob("*.yaml"))
 
 
@@ -82,9 +121,8 @@ def test_shipped_practices_validate_against_the_real_processors(path):
     from msmodelslim.core.config import load_practice
 
     practice = load_practice(path)  # the real PROCESSORS / SAVERS, filled by msmodelslim.processor.catalog
-    assert practice.quant_type in ("w4a8", "w8a8", "w4a4", "w4a8c8")
-    expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.verified_model_types \
-        else "modelslim_v1"
+    assert practice.quant_type in ("w4a8", "w8a8", "w4a4", "w4a8c8", "w4a16", "w4a4c8")
+    expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.model_types else "modelslim_v1"
     assert practice.apiversion == expected_api
     types = [e.type for e in practice.spec.process]
     assert set(types[types.index("linear_quant"):]) <= {"linear_quant", "fa3_quant"}  # float transforms first
@@ -92,7 +130,7 @@ def test_shipped_practices_validate_against_the_real_processors(path):
         assert practice.metadata.score == 0
 
 
-@pytest.mark.parametrize("practice", ["kimi_k3_w4a8", "kimi_k3_w8a8"])
+@pytest.mark.parametrize("practice", ["kimi_k3_w4a8", "kimi_k3_w8a8", "kimi_k3_w4a8_mxfp"])
 def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice, tiny_k3_checkpoint):
     # reference: the fused groups of vLLM 0.33 (model/kimi_k3/serving.py); every shard of a group must get the
     # scheme of the first shard, and the quantized groups must include the KDA in_proj and the experts
@@ -107,9 +145,10 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
         check_fused_groups(processors, adapter)
         plan = planned_schemes(processors, adapter)
         groups = dict(adapter.fused_groups())
+    w8 = "W8A8_MXFP8" if practice.endswith("mxfp") else "W8A8_DYNAMIC"
     kda = next(g for g in groups if g.endswith("in_proj_qkvgfab"))
-    assert {plan[s] for s in groups[kda]} == {"W8A8_DYNAMIC"} and len(groups[kda]) == 6  # q k v g b f_a
+    assert {plan[s] for s in groups[kda]} == {w8} and len(groups[kda]) == 6  # q k v g b f_a
     mla = next(g for g in groups if g.endswith("fused_qkv_a_g_proj"))
-    assert {plan[s] for s in groups[mla]} == {"W8A8_DYNAMIC"} and len(groups[mla]) == 3  # q_a kv_a g
+    assert {plan[s] for s in groups[mla]} == {w8} and len(groups[mla]) == 3  # q_a kv_a g
     moe = next(g for g in groups if g.endswith("experts"))
     assert len({plan[s] for s in groups[moe]}) == 1 and plan[groups[moe][0]] != "FLOAT"

@@ -128,3 +128,92 @@ def test_replicated_linears_are_shared_out_largest_first_to_the_least_loaded_ran
     assert loads == [24, 24]
     assert set(assign_owners(sizes, 1).values()) == {0}
     assert sorted(set(assign_owners(sizes, 8).values())) == list(range(6))  # more ranks than linears: one each
+
+
+MXFP8 = {"scope": "per_block", "dtype": "mxfp8", "symmetric": True, "method": "minmax"}
+MXFP4 = {**MXFP8, "dtype": "mxfp4"}
+PER_GROUP = {**W4A8["weight"], "scope": "per_group", "method": "minmax", "ext": {"group_size": 64}}
+
+
+@pytest.mark.parametrize("act, weight, scheme", [
+    (None, MXFP4, "W4A16_MXFP4"), (MXFP8, MXFP4, "W4A8_MXFP"), (MXFP8, MXFP8, "W8A8_MXFP8"),
+    (MXFP4, MXFP4, "W4A4_MXFP4"), (W4A8["act"], PER_GROUP, "W4A8_DYNAMIC"),
+])
+def test_qconfig_dtypes_name_the_serving_scheme(act, weight, scheme):
+    cfg = LinearQuantConfig.build(qconfig={"act": act, "weight": weight})
+    assert cfg.scheme.name == scheme
+    assert cfg.qconfig.weight.group_size == (64 if weight is PER_GROUP else 0)
+
+
+@pytest.mark.parametrize("qconfig, message", [
+    ({"act": W8A8["act"], "weight": {**MXFP8, "dtype": "int8"}}, "per_block does not go with dtype int8"),
+    ({"act": MXFP8, "weight": {**W8A8["weight"], "dtype": "mxfp4"}}, "per_channel does not go with dtype mxfp4"),
+    ({"act": {**W8A8["act"], "dtype": "mxfp8"}, "weight": MXFP8}, "act: scope per_token does not go with"),
+    ({"act": MXFP8, "weight": {**MXFP4, "method": "ssz"}}, "MX weights take method minmax or grid"),
+    ({"act": W4A8["act"], "weight": {**PER_GROUP, "ext": {}}}, "per_group needs ext.group_size"),
+    ({"act": W4A8["act"], "weight": {**PER_GROUP, "ext": {"group_size": 48}}}, "positive multiple of 32"),
+    ({"act": W8A8["act"], "weight": {**PER_GROUP, "dtype": "int8"}}, "W4A8_DYNAMIC only, not W8A8_DYNAMIC"),
+    ({"act": MXFP8, "weight": {**W4A8["weight"]}}, "no serving scheme has int4 weights with mxfp8"),
+])
+def test_a_qconfig_no_serving_scheme_reads_is_refused_naming_why(qconfig, message):
+    with pytest.raises(ValueError, match=message):
+        LinearQuantConfig.build(qconfig=qconfig)
+
+
+def test_one_group_size_per_model_mx_and_per_channel_w4a8_cannot_mix():
+    from msmodelslim.errors import UserError
+    from msmodelslim.processor.linear_quant import description_group_size
+
+    mx = LinearQuantConfig.build(qconfig={"act": MXFP8, "weight": MXFP8})
+    w4a8 = LinearQuantConfig.build(qconfig=W4A8)
+    assert description_group_size([mx, LinearQuantConfig.build(qconfig=W8A8)]) == 32
+    assert description_group_size([LinearQuantConfig.build(qconfig={"act": W4A8["act"], "weight": PER_GROUP})]) == 64
+    with pytest.raises(UserError, match=r"0 \(W4A8_DYNAMIC per channel\) and 32 \(W8A8_MXFP8\)"):
+        description_group_size([w4a8, mx])
+
+
+class WideLayer(nn.Module):
+    """Experts with 64 inputs (MX blocks of 32 pair up), as a source checkpoint stores them."""
+
+    def __init__(self):
+        super().__init__()
+        self.block_sparse_moe = nn.Module()
+        self.block_sparse_moe.experts = nn.ModuleList(
+            nn.ModuleDict({"w1": nn.Linear(64, 64, bias=False), "w2": nn.Linear(64, 64, bias=False)})
+            for _ in range(2))
+
+
+class SourceMXFP4Adapter(ToyAdapter):
+    """An adapter whose checkpoint stores the experts as MXFP4 (the bytes given)."""
+
+    def __init__(self, stored):
+        super().__init__()
+        self.stored = stored
+
+    def source_mxfp4(self, unit, live_name):
+        return self.stored.get(live_name)
+
+
+def test_unchanged_experts_keep_the_source_mxfp4_bytes_and_changed_ones_are_quantized_again():
+    from msmodelslim.quant.mx import MXFP4 as FP4
+    from msmodelslim.quant.mx import decode_weight, quantize_mx_weight
+
+    torch.manual_seed(1)
+    layer = WideLayer()
+    stored = {}
+    for e in range(2):
+        for w in ("w1", "w2"):
+            linear = layer.block_sparse_moe.experts[e][w]
+            packed, scale = quantize_mx_weight(linear.weight.detach() * 3.0, FP4, "grid")  # not our minmax bytes
+            linear.weight.data = decode_weight(packed, scale, FP4)  # the model loaded the decoded checkpoint
+            stored[f"block_sparse_moe.experts.{e}.{w}"] = (packed, scale)
+    layer.block_sparse_moe.experts[1].w2.weight.data *= 1.5  # a processor changed this one
+    ctx = UnitContext(unit=Unit(name="layers.0", kind="decoder", prefix="model.layers.0.", index=0), module=layer,
+                      adapter=SourceMXFP4Adapter(stored), dist=SINGLE, run_samples=lambda: None)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig={"act": None, "weight": MXFP4}),
+                                       ctx.adapter), ctx)
+    for name, (packed, scale) in stored.items():
+        q = layer.get_submodule(name)
+        assert isinstance(q, QuantLinear) and q.scheme.name == "W4A16_MXFP4"
+        kept = torch.equal(q.qweight, packed) and torch.equal(q.weight_scale, scale)
+        assert kept == (name != "block_sparse_moe.experts.1.w2"), name

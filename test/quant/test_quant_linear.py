@@ -6,6 +6,7 @@ from torch import nn
 
 from msmodelslim.quant import QuantLinear, dequantize, quantize_symmetric, ssz_scale_search
 from msmodelslim.quant.functional import quantize_with_scale
+from msmodelslim.quant.granularity import int4
 
 
 def _reference_forward(x, qweight, wscale, act_bits, bias=None, rot=None):
@@ -114,3 +115,78 @@ def test_w4a8_weight_scales_keep_full_fp32_precision():
     linear = torch.nn.Linear(256, 48, bias=False)
     ql = QuantLinear.from_linear(linear, W4A8_DYNAMIC, weight_method="minmax")
     assert not torch.equal(ql.weight_scale.to(torch.bfloat16).to(torch.float32), ql.weight_scale)
+
+
+def test_per_group_int4_scales_are_fp16_values_and_beat_per_channel():
+    # reference: float64 weight error of the dequantised weight; scales must survive fp16 (the MoE kernel's dtype)
+    from msmodelslim.quant.modules import quantize_weight
+
+    torch.manual_seed(3)
+    w = torch.randn(32, 256) * torch.linspace(0.1, 3, 256)  # input channels of different scale
+    q, s = quantize_weight(w, int4, "minmax", group_size=64)
+    assert q.shape == (32, 256) and s.shape == (32, 4) and int(q.abs().max()) <= 8
+    assert torch.equal(s, s.to(torch.float16).to(torch.float32))
+    grouped = (q.double() * s.double().repeat_interleave(64, 1) - w.double()).square().sum()
+    q1, s1 = quantize_weight(w, int4, "minmax")
+    assert float(grouped) < 0.5 * float((q1.double() * s1.double() - w.double()).square().sum())
+
+
+def test_per_group_gptq_lowers_the_output_error_of_its_fixed_scales():
+    # reference: tr(dW H dW^T) in float64 with H = X^T X, GPTQ against round-to-nearest with the same group scales
+    from msmodelslim.quant.modules import quantize_weight
+
+    torch.manual_seed(4)
+    x = torch.randn(512, 128) @ torch.randn(128, 128) * 0.3
+    w = torch.randn(16, 128)
+    h = x.t() @ x
+    q, s = quantize_weight(w, int4, "gptq", hessian=h, tokens=512, group_size=32)
+    per_col = s.repeat_interleave(32, 1)
+    rtn = quantize_with_scale(w, per_col, int4)
+
+    def err(qq):
+        d = (qq.double() * per_col.double() - w.double())
+        return float(torch.einsum("oi,ij,oj->", d, h.double(), d))
+
+    assert err(q) < 0.8 * err(rtn)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16_MXFP4", "W4A8_MXFP", "W8A8_MXFP8", "W4A4_MXFP4"])
+def test_mx_forward_is_the_block_quantized_input_times_the_decoded_weight(scheme):
+    # reference: quant/mx.py's activation quantizer (tested against a float64 brute force) and decoder; exact
+    from msmodelslim.quant.modules import get_scheme
+    from msmodelslim.quant.mx import decode_weight, fake_quant_mx, quantize_mx_weight
+
+    torch.manual_seed(5)
+    sch = get_scheme(scheme)
+    w, x = torch.randn(24, 64), torch.randn(5, 64).to(torch.bfloat16)
+    stored, scale = quantize_mx_weight(w, sch.weight)
+    layer = QuantLinear(64, 24, sch, stored, scale, bias=torch.ones(24))
+    xq = x if sch.act is None else fake_quant_mx(x, sch.act, sch.act_rounding)
+    expected = torch.nn.functional.linear(xq, decode_weight(stored, scale, sch.weight, torch.bfloat16)) + 1
+    assert torch.equal(layer(x), expected)
+
+
+def test_w4a16_mxfp4_of_compressed_tensors_bytes_computes_with_its_decoded_weight():
+    # reference: compressed-tensors' own MXFP4 encoder and decoder (formats/mxfp4_ct_reference.py); exact in fp32
+    from formats.mxfp4_ct_reference import ct_decode, ct_encode
+
+    torch.manual_seed(6)
+    w = torch.randn(16, 96).to(torch.bfloat16)
+    packed, scale = ct_encode(w)
+    layer = QuantLinear(96, 16, "W4A16_MXFP4", packed, scale, compute_dtype=torch.float32)
+    x = torch.randn(3, 96)
+    assert torch.equal(layer(x), x @ ct_decode(packed, scale).float().t())
+
+
+def test_per_group_forward_sums_token_quantized_inputs_times_group_dequantised_weights():
+    from msmodelslim.quant.functional import quantize_per_token
+    from msmodelslim.quant.modules import quantize_weight
+
+    torch.manual_seed(7)
+    w, x = torch.randn(8, 128), torch.randn(4, 128)
+    q, s = quantize_weight(w, int4, "minmax", group_size=32)
+    layer = QuantLinear(128, 8, "W4A8_DYNAMIC", q, s, compute_dtype=torch.float32)
+    assert layer.group_size == 32
+    qx, sx = quantize_per_token(x, 8)
+    expected = (qx.double() @ (q.double() * s.double().repeat_interleave(32, 1)).t()) * sx.double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)  # float32 sums
