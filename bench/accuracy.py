@@ -6,6 +6,10 @@ Protocol (issue #4): the checkpoint's tokenizer without special tokens, non-over
 output simulated at inference precision (int8 per-token activations, the written integer weights).
 
     python bench/accuracy.py --model ../shared/models/kimi-linear-mini --recipe {rtn,quarot,iter_smooth,full,w4a4}
+    python bench/accuracy.py --practice kimi_linear_w4a8_mxfp      # a shipped practice of lab_practice/kimi_k3
+
+MX practices (Ascend 950) are simulated as their kernels compute: MXFP8 / MXFP4 activations per block of 32, the
+written MX weights.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_OUT, ROOT, SHARED, machine, print_result  # noqa: E402
 
-RECIPES = ROOT / "lab_practice" / "kimi_k3" / "recipes"
+PRACTICES = ROOT / "lab_practice" / "kimi_k3"
+RECIPES = PRACTICES / "recipes"
 
 
 def msmodelslim(*args: str, env: dict[str, str] | None = None) -> str:
@@ -35,16 +40,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(SHARED / "models" / "kimi-linear-mini"))
     parser.add_argument("--model_type", default="Kimi-Linear")
-    parser.add_argument("--recipe", default="full", help=f"a YAML in {RECIPES} (name without .yaml)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--recipe", default="full", help=f"a YAML in {RECIPES} (name without .yaml)")
+    which.add_argument("--practice", help=f"a YAML in {PRACTICES} (name without .yaml)")
     parser.add_argument("--dataset", default=str(SHARED / "data" / "text" / "python_tutorial.txt"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
 
-    practice = RECIPES / f"{args.recipe}.yaml"
+    if args.practice:
+        args.recipe = args.practice
+    practice = (PRACTICES if args.practice else RECIPES) / f"{args.recipe}.yaml"
     if not practice.is_file():
-        parser.error(f"--recipe {args.recipe}: no {practice}")
+        parser.error(f"{args.recipe}: no {practice}")
     out = BENCH_OUT / f"accuracy-{Path(args.model).name}-{args.recipe}"
     shutil.rmtree(out, ignore_errors=True)
     stats_file = BENCH_OUT / f"accuracy-{args.recipe}.stats"

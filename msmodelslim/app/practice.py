@@ -54,10 +54,23 @@ def qualifies(metadata: Any, model_type: str, tags: tuple[str, ...]) -> bool:
     return any({t.lower() for t in tags} <= scenario for scenario in scenarios)
 
 
-def _offer(metadata: Any, model_type: str) -> str:
-    scenarios = metadata.verified_tags.get(model_type)
-    where = " | ".join("+".join(s) for s in scenarios) if scenarios else "untagged"
-    return f"{metadata.label.quant_type} ({where})"
+def _hardware(metadata: Any, model_type: str) -> str:
+    """How a user reaches a practice: `--tag A | B` with the tags that tell its scenarios apart."""
+    scenarios = metadata.verified_tags.get(model_type, [])
+    common = set.intersection(*(set(s) for s in scenarios)) if len(scenarios) > 1 else set()
+    return "--tag " + " | ".join(" ".join(t for t in s if t not in common) for s in scenarios)
+
+
+def _available(headers: list[Any], model_type: str) -> str:
+    """The quant types of `model_type`'s practices, those of the default hardware first."""
+    default = sorted({h.quant_type for h in headers if qualifies(h.metadata, model_type, ())})
+    others: dict[str, set[str]] = {}
+    for h in headers:
+        if not qualifies(h.metadata, model_type, ()):
+            others.setdefault(_hardware(h.metadata, model_type), set()).add(h.quant_type)
+    parts = [f"{', '.join(default)} (default hardware)"] if default else []
+    parts += [f"{', '.join(sorted(qts))} with {how}" for how, qts in sorted(others.items())]
+    return "; ".join(parts) or "(none)"
 
 
 def find_practice(model_type: str, quant_type: str, group: str, root: Path | None = None,
@@ -70,11 +83,9 @@ def find_practice(model_type: str, quant_type: str, group: str, root: Path | Non
     matches = [h for h in for_model if h.quant_type == quant_type.lower() and qualifies(h.metadata, model_type, tags)]
     if not matches:
         hardware = f"--tag {' '.join(tags)}" if tags else f"the default hardware ({', '.join(DEFAULT_HARDWARE)})"
-        available = sorted({_offer(h.metadata, model_type) for h in for_model})
         raise UserError(
             f"no practice for --model_type {model_type} --quant_type {quant_type} on {hardware} in {folder}; "
-            f"available: {', '.join(available) or '(none)'} (choose the hardware with --tag, or give a YAML with "
-            f"--config_path)"
+            f"available: {_available(for_model, model_type)} (or give a YAML with --config_path)"
         )
     matches.sort(key=lambda h: h.metadata.score, reverse=True)
     if len(matches) > 1 and matches[0].metadata.score == matches[1].metadata.score:
@@ -102,8 +113,9 @@ def choose_practice(
             logger.warning("%s is verified for %s, not for %s", path, ", ".join(practice.metadata.model_types),
                            model_type)
         elif tags and not qualifies(practice.metadata, model_type, tags):
-            logger.warning("%s is not verified for --tag %s (its scenarios: %s)", path, " ".join(tags),
-                           _offer(practice.metadata, model_type))
+            logger.warning("%s is not verified for --tag %s (it is for %s)", path, " ".join(tags),
+                           _hardware(practice.metadata, model_type) if practice.metadata.verified_tags.get(model_type)
+                           else "the default hardware")
         return ChosenPractice(path, practice, explicit=True)
     path = find_practice(model_type, quant_type, group, root, tags)
     return ChosenPractice(path, load_practice(path), explicit=False)

@@ -47,7 +47,7 @@ def test_highest_score_wins(tmp_path):
 def test_quant_type_is_case_insensitive_and_suffixes_count(tmp_path):
     plain = practice(tmp_path, "w8a8", 50, w=8)
     assert find_practice("M", "W8A8", "grp", tmp_path) == plain
-    with pytest.raises(UserError, match=r"available: w8a8 \(untagged\)"):
+    with pytest.raises(UserError, match=r"available: w8a8 \(default hardware\)"):
         find_practice("M", "w8a8s", "grp", tmp_path)
 
 
@@ -62,7 +62,7 @@ def test_tied_top_score_names_both_files(tmp_path):
 
 def test_no_match_lists_available(tmp_path):
     practice(tmp_path, "x", 1, w=8, a=16)
-    with pytest.raises(UserError, match=r"available: w8a16 \(untagged\)"):
+    with pytest.raises(UserError, match=r"available: w8a16 \(default hardware\)"):
         find_practice("M", "w4a8", "grp", tmp_path)
     with pytest.raises(UserError, match=r"available: \(none\)"):
         find_practice("Unverified", "w4a8", "grp", tmp_path)
@@ -75,7 +75,7 @@ def test_without_tags_the_atlas_a2_a3_practice_is_chosen_and_tags_choose_another
     assert find_practice("M", "w4a8", "grp", tmp_path, ("ascend_950",)) == a5  # tags match case-insensitively
     assert find_practice("M", "w4a8", "grp", tmp_path, ("vLLM_Ascend", "Atlas_350")) == a5
     assert find_practice("M", "w4a8", "grp", tmp_path, ("Atlas_A3_Inference",)) == a3
-    with pytest.raises(UserError, match=r"on --tag Ascend_950 Atlas_A3_Inference .*available: w4a8 \(vLLM_Ascend"):
+    with pytest.raises(UserError, match=r"on --tag Ascend_950 Atlas_A3_Inference .*available: w4a8 \(default hardware\); w4a8 with --tag Ascend_950 \| Atlas_350"):
         find_practice("M", "w4a8", "grp", tmp_path, ("Ascend_950", "Atlas_A3_Inference"))  # one scenario holds all
 
 

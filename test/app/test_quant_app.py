@@ -131,7 +131,8 @@ def test_unknown_model_type(tmp_path, model_dir, stub_service):
 def test_quant_type_without_practice(tmp_path, model_dir, stub_service):
     message = _fails(UserError, tmp_path, model_dir, quant_type="w4a4")
     assert "no practice for --model_type Kimi-K3 --quant_type w4a4" in message
-    assert "available quant types: w4a8, w4a8c8, w8a8" in message
+    assert "available: w4a8, w4a8c8, w8a8 (default hardware); w4a16, w4a4c8, w4a8 with --tag Ascend_950 | Atlas_350" \
+        in message
 
 
 def test_quant_type_and_config_path_exclude_each_other(tmp_path, model_dir, practice_file, stub_service):
