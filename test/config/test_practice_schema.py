@@ -163,7 +163,7 @@ def _bad(tmp_path: Path, old: str, new: str) -> str:
         ("w_bit: 4", "w_bit: 5", "metadata.label: w_bit must be one of 2, 3, 4, 8, 16, got 5"),
         ("  score: 90", "  score: high", "metadata.score: expected a number, got str 'high'"),
         ("  verified_model_types: [Kimi-K3]", "  verified_model_types: []",
-         "metadata: verified_model_types must list at least one model type"),
+         "metadata: verified_model_types or verified_tags must name at least one model type"),
         ("  max_samples: 8", "  max_samples: 0", "spec: max_samples must be positive, got 0"),
         ("  max_samples: 8", "  max_samples: eight", "spec.max_samples: expected an integer, got str 'eight'"),
         ("  dataset: calibImages\n", "", "spec.dataset: required key is missing"),
