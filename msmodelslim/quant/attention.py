@@ -5,7 +5,8 @@ query, the key cache, the value side; in an absorbed MLA the key and value side 
 - `FA3QuantPlaceHolder` is the identity; it carries the share of values the calibration window keeps (`ratio`).
 - `AttentionFakeQuant` quantizes and dequantizes its input as the attention kernel will:
     per_head  static: one scale per head from calibration, x -> clamp(round(x / s), -128, 127) * s (int8) or
-              x -> e4m3(x / s) * s (fp8, |x / s| <= 448);
+              x -> e4m3(x / s) * s (fp8, |x / s| <= 448: rounded to the E4M3 grid in float32, quant/mx.py, with no
+              fp8 dtype, so an Atlas A2/A3 can calibrate the fp8 cache of an Ascend 950 practice);
     per_token dynamic: one scale per (token, head) over the head dim, max|x| / bound, computed at run time.
   `observe_only` keeps the input as it is: the value side of an absorbed MLA is the same latent cache the key side
   already quantized, so its scale is written for the format but the kernel dequantizes V with K's scale.
@@ -18,6 +19,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from msmodelslim.quant.mx import MXFP8, round_to_elements
 
 FA3_BRANCHES = ("fa_q", "fa_k", "fa_v")
 FP8_E4M3_MAX = 448.0
@@ -63,7 +66,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, dtype: AttnDType) -> torch.
     if dtype == "int8":
         q = torch.round(xs).clamp_(-INT8_MAX - 1, INT8_MAX)  # the int8 range: a clipped outlier may reach -128
     else:
-        q = xs.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+        q = round_to_elements(xs, MXFP8)  # E4M3, saturating at 448, ties to even: torch's fp8 cast, without fp8
     return (q * scale).to(x.dtype)
 
 

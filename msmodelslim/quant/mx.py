@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from msmodelslim.core.placement import on_host
+
 BLOCK = 32
 E8M0_BIAS = 127
 _E_MIN, _E_MAX = -127, 127  # the unbiased exponents E8M0 holds (255 is NaN)
@@ -161,6 +163,7 @@ def grid_exponents(w: torch.Tensor, fmt: MXFormat, importance: torch.Tensor | No
 
 
 # --- element codes --------------------------------------------------------------------------------------------
+@on_host("the element-code table is built once in float64, where every value is exact")
 def _code_values(fmt: MXFormat) -> torch.Tensor:
     """float32 [2^bits]: the value of every element code (sign bit first; E4M3's 0x7F / 0xFF NaN map to 0, never
     produced)."""

@@ -126,3 +126,19 @@ def test_a_float64_quarot_practice_fails_the_run_with_one_line(tiny_k3_checkpoin
     assert re.match(r"msmodelslim: error: (rank \d: )?Ascend op check: aten\.", err[-1])  # a rank names itself
     assert "float64" in err[-1] and "msmodelslim/processor/quarot.py:" in err[-1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("practice", ["kimi_k3_w4a4c8_mxfp", "kimi_k3_w4a8_pergroup"])
+def test_the_ascend_950_and_per_group_practices_run_under_the_a2_a3_check(tiny_k3_checkpoint: Path, tmp_path: Path,
+                                                                          monkeypatch, practice):
+    # MXFP4 / MXFP8 weights and activations and the fp8 FA3 cache are float32 and integer arithmetic: an Atlas A2/A3
+    # (no fp8 dtype) can calibrate an Ascend 950 practice. Reference: the A2/A3 rule table; zero violations.
+    source = shrunken_practice(REPO / f"lab_practice/kimi_k3/{practice}.yaml", tmp_path / "p.yaml", max_samples=2,
+                               max_seq_len=16)
+    source.write_text(source.read_text().replace("group_size: 256", "group_size: 32"))  # the tiny experts' 64 inputs
+    monkeypatch.setenv(ascend_check.ENV, "1")
+    code = main(["quant", "--model_path", str(tiny_k3_checkpoint), "--save_path", str(tmp_path / "out"),
+                 "--device", "cpu", "--model_type", "Kimi-K3", "--config_path", str(source),
+                 "--trust_remote_code", "True"])
+    assert code == 0
+    assert (tmp_path / "out" / "quant_model_description.json").is_file()

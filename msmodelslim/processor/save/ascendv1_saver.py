@@ -55,6 +55,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from msmodelslim.core.placement import HOST, host_section, on_host
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import (
     ATTENTION_QUANT_KEY,
@@ -191,6 +192,7 @@ def quant_tensor_bytes(out_f: int, in_f: int, scheme: str, row_parallel: bool, s
     return weight + scales + scale_bias + bias
 
 
+@on_host("the saver's copy of a tensor into its write buffer is host memory")
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor owning its memory (safetensors refuses tensors that share storage)."""
     t = t.detach()
@@ -315,9 +317,11 @@ class AscendV1Saver(Saver):
             raise ValueError(f"{name}: quantized weight is on the meta device")
         self._group_sizes.add(ql.group_size)
         if ql.scheme.is_mx:
-            fp8 = ql.scheme.weight.bits == 8
-            out = {f"{name}.weight": ql.qweight.cpu().view(torch.float8_e4m3fn) if fp8 else ql.qweight,
-                   f"{name}.weight_scale": ql.weight_scale}
+            weight = ql.qweight
+            if ql.scheme.weight.bits == 8:
+                with host_section("the file stores E4M3 elements as float8_e4m3fn (no fp8 on an A2/A3 device)"):
+                    weight = weight.to(HOST).view(torch.float8_e4m3fn)
+            out = {f"{name}.weight": weight, f"{name}.weight_scale": ql.weight_scale}
             return self._linear_extras(name, ql, out)
         q, s = ql.qweight, ql.weight_scale.to(torch.float32)
         out: dict[str, torch.Tensor] = {}
