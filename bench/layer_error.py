@@ -10,7 +10,9 @@ quantizer (int8 for W4A8, int4 for W4A4) and Q the per-channel int4 weight quant
 Methods: minmax, ssz (the default until issue 15), grid, gptq (GPTQ with the diag(H)-weighted grid scale, the new
 default) and gptq_minmax (GPTQ with min/max scales, as msModelSlim 26.1.0 ships it); per-group W4A8_DYNAMIC
 (issue 25): ssz_g<G> and gptq_g<G>, one fp16 scale per G inputs of a row, for G in 32, 64 (the
-mini's w2 has 192 inputs, so larger groups do not divide it). Smoothing variants, with the
+mini's w2 has 192 inputs, so larger groups do not divide it). MX weights (issue 25) with MXFP8 activations per block
+of 32: mxfp4_* and mxfp8_* for minmax, grid (the exponent search) and gptq; `mx_median_ratio_vs_minmax`. The
+matrices are QuaRot-rotated, so the experts are off their checkpoint's FP4 grid (a re-quantization). Smoothing variants, with the
 new default's weights: none, alpha 0.9 (the former practice) and the searched strength (iter_smooth's own model,
 `modelled_error`, on the calibration windows), on up-down (routed expert w2), norm-linear (KDA q_proj, MLA q_a /
 kv_a) and ov (MLA o_proj).
@@ -47,10 +49,13 @@ from msmodelslim.quant.functional import fake_quant_per_token, minmax_scale  # n
 from msmodelslim.quant.gptq import gptq_quantize  # noqa: E402
 from msmodelslim.quant.granularity import PerChannel, int4, int8  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
+from msmodelslim.quant.mx import MXFP8, decode_weight, fake_quant_mx, mx_format  # noqa: E402
 
 GROUPS = (32, 64)  # per-group W4A8_DYNAMIC (issue 25): `<method>_g<size>`; the mini's experts have 192 inputs
 METHODS = ("minmax", "ssz", "grid", "gptq", "gptq_minmax", *(f"{m}_g{g}" for g in GROUPS for m in ("ssz", "gptq")))
 NEW_DEFAULT = "gptq"
+# MX weights (issue 25), as W4A8_MXFP / W8A8_MXFP8 compute: MXFP8 activations per block of 32
+MX_METHODS = tuple(f"{fmt}_{m}" for fmt in ("mxfp4", "mxfp8") for m in ("minmax", "grid", "gptq"))
 
 
 def targets(layers: list[int], experts: int) -> dict[str, str]:
@@ -180,6 +185,13 @@ def main() -> None:
             wq = quantized(w, method, h, x_cal.shape[0])
             row[f"{method}_w4a8"] = output_error(x_test, w, wq, int8)
             row[f"{method}_w4a4"] = output_error(x_test, w, wq, int4)
+        for method in MX_METHODS:
+            fmt, _, how = method.partition("_")
+            stored, scale = quantize_weight(w, mx_format(fmt), how, hessian=h.float(), tokens=x_cal.shape[0])
+            wq = decode_weight(stored, scale, mx_format(fmt))
+            ref = x_test.double() @ w.double().t()
+            got = fake_quant_mx(x_test, MXFP8).double() @ wq.double().t()
+            row[method] = float((got - ref).square().sum() / ref.square().sum().clamp_min(1e-30))
         table[key] = row
         reader = key.endswith((".w2", "q_proj", "kv_a_proj_with_mqa")) or (kind == "mla" and key.endswith("o_proj"))
         if reader:
@@ -216,6 +228,11 @@ def main() -> None:
                               for m in METHODS},
         "median_ratio_w4a4": {m: {"experts": round(ratio(m, experts, "w4a4"), 4),
                                   "others": round(ratio(m, others, "w4a4"), 4)} for m in METHODS},
+        "mx_median_ratio_vs_minmax": {
+            m: {group: round(statistics.median(r[m] / r[f"{m.split('_')[0]}_minmax"] for r in table.values()
+                                               if r["kind"] in kinds), 4)
+                for group, kinds in (("experts", experts), ("others", others))}
+            for m in MX_METHODS if not m.endswith("minmax")},
         "smoothing_median_vs_none": {
             variant: {kind: round(statistics.median(r[f"{variant}_vs_none"] for k, r in smoothing.items()
                                                     if table[k]["kind"] == kind), 4)

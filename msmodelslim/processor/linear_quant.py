@@ -27,8 +27,8 @@ vllm-ascend's MoE kernel reads one group size for the model, from the descriptio
 
 Weight methods (`qconfig.weight.method`; `quant/modules.py`): `minmax`, `ssz` (least-squares refined minmax),
 `grid` (clipping grid + refinement; for MX the exponent search of quant/mx.py), `gptq` (GPTQ on the input Hessian
-the runner records, with the diag(H)-weighted grid scale; `ext: {percdamp: 0.01, block_size: 128, act_order: true}`
-as msModelSlim names them; integer weights). Each linear's quantization is one job for the runner: replicated
+the runner records, with the diag(H)-weighted grid scale, or for MX the diag(H)-weighted exponent search; `ext:
+{percdamp: 0.01, block_size: 128, act_order: true}` as msModelSlim names them). Each linear's quantization is one job for the runner: replicated
 linears are spread over data-parallel ranks and broadcast, routed experts are quantized by the rank that holds them.
 
 The checkpoint's own MXFP4 (`W4A16_MXFP4`, `W4A8_MXFP`, `W4A4_MXFP4`): a linear the source stores as MXFP4 whose
@@ -99,8 +99,8 @@ class WeightQConfig:
         if (self.scope == "per_block") != mx:
             raise ValueError(f"weight: scope {self.scope} does not go with dtype {self.dtype} (MX dtypes are "
                              f"per_block, integer ones per_channel or per_group)")
-        if mx and self.method not in ("minmax", "grid"):
-            raise ValueError(f"weight: MX weights take method minmax or grid, not {self.method!r}")
+        if mx and self.method not in ("minmax", "grid", "gptq"):
+            raise ValueError(f"weight: MX weights take method minmax, grid or gptq, not {self.method!r}")
         group = self.ext.get(GROUP_KEY)
         if (self.scope == "per_group") != (group is not None):
             raise ValueError("weight: scope per_group needs ext.group_size, and ext.group_size needs scope per_group")

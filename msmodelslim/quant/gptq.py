@@ -23,6 +23,7 @@ import torch
 from msmodelslim.core.placement import HOST, host_section, not_on_npu
 from msmodelslim.quant.functional import grid_scale_search
 from msmodelslim.quant.granularity import IntDtype
+from msmodelslim.quant.mx import MXFormat, round_to_elements
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
     return u.to(device)
 
 
-def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype,
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype | MXFormat,
                   options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None,
                   index: torch.Tensor | None = None) -> torch.Tensor:
     """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1] (or one scale per
@@ -97,7 +98,11 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
     Leading dims are a batch of independent matrices of one shape (a layer's routed experts): one column loop
     runs them all, so the loop's per-column kernel launches are paid once per batch, not once per expert. With
     `index` [B], matrix b reads Hessian index[b] of `hessian` [U, d, d] (and `tokens` [U]): readers of one input
-    (an expert's w1 and w3) share its Hessian, its ordering and its inverse factor."""
+    (an expert's w1 and w3) share its Hessian, its ordering and its inverse factor.
+
+    With an MX format `dtype` the scale is per weight (2^e of each block of 32) and a column rounds to the
+    format's elements (quant/mx.py): the result is those element values, float16 (which holds every E2M1 and E4M3
+    value exactly), not integers."""
     if w.dim() == 2:
         return gptq_quantize(w[None], hessian[None], scale[None], dtype, options,
                              None if tokens is None else torch.as_tensor(tokens).reshape(1))[0]
@@ -133,7 +138,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         S = torch.gather(S, 1, perm[index][:, :, None].expand_as(S)) if perm is not None else S.contiguous()
     else:
         row_scale = scale.to(w.device, work).reshape(batch, 1, -1)
-    Qt = torch.empty(Wt.shape, dtype=torch.int8, device=Wt.device)
+    mx = isinstance(dtype, MXFormat)
+    Qt = torch.empty(Wt.shape, dtype=torch.float16 if mx else torch.int8, device=Wt.device)
     Qb = torch.empty_like(Wt[:, :block_size])  # a block's integers, in float
     Err = torch.empty_like(Qb)
     # Each column costs a fixed number of small kernels whatever the batch holds (seven: divide, round, clamp,
@@ -151,7 +157,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
         for i, (col, q, err, s) in enumerate(views):
             torch.div(col, s, out=q)
-            q.round_().clamp_(dtype.qmin, dtype.qmax)
+            if mx:
+                q.copy_(round_to_elements(q, dtype))
+            else:
+                q.round_().clamp_(dtype.qmin, dtype.qmax)
             torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers
             err.div_(diag[i])
             W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)

@@ -40,7 +40,17 @@ from msmodelslim.quant.functional import (
 )
 from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQOptions, gptq_quantize, gptq_scale
 from msmodelslim.quant.granularity import IntDtype, PerChannel, int4, int8
-from msmodelslim.quant.mx import MXFP4, MXFP8, MXFormat, decode_weight, fake_quant_mx
+from msmodelslim.quant.mx import (
+    BLOCK,
+    MXFP4,
+    MXFP8,
+    MXFormat,
+    decode_weight,
+    encode_weight,
+    fake_quant_mx,
+    grid_exponents,
+    quantize_mx_weight,
+)
 
 ONLINE_ROTATION = "online_rotation"
 
@@ -123,13 +133,7 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "
     MX formats: (stored elements uint8, E8M0 scales uint8 [..., out, in / 32]) as quant/mx.py stores them; `minmax`
     or `grid` (the exponent search, weighted by diag(H) when the Hessian is known)."""
     if isinstance(dtype, MXFormat):
-        from msmodelslim.quant.mx import quantize_mx_weight
-
-        importance = None
-        if hessian is not None:
-            diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
-            importance = diag if hessian_index is None else diag[hessian_index.to(diag.device)]
-        return quantize_mx_weight(w, dtype, "grid" if method == "gptq" else method, importance)
+        return _quantize_mx(w, dtype, method, hessian, tokens, gptq, hessian_index)
     if group_size:
         return _quantize_groups(w, dtype, method, ssz_iters, hessian, tokens, gptq, hessian_index,
                                 group_size)
@@ -149,6 +153,21 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "
     if method == "gptq":
         return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale
     return quantize_with_scale(w, scale, dtype), scale
+
+
+def _quantize_mx(w: torch.Tensor, fmt: MXFormat, method: str, hessian: torch.Tensor | None, tokens: Any,
+                 gptq: GPTQOptions, hessian_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX weights: `minmax` / `grid` (quant/mx.py), or `gptq`: the diag(H)-weighted exponent search, then GPTQ's
+    error-compensating rounding to the elements against those fixed exponents."""
+    if method != "gptq":
+        return quantize_mx_weight(w, fmt, method)
+    if hessian is None:
+        raise ValueError("weight method 'gptq' needs the input Hessian")
+    diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    exponents = grid_exponents(w, fmt, diag if hessian_index is None else diag[hessian_index.to(diag.device)])
+    per_weight = torch.exp2(exponents.to(torch.float32)).repeat_interleave(BLOCK, dim=-1)
+    elements = gptq_quantize(w, hessian, per_weight, fmt, gptq, tokens, hessian_index)
+    return encode_weight(elements.to(torch.float32), exponents, fmt)
 
 
 def _representable(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:

@@ -149,7 +149,7 @@ def test_qconfig_dtypes_name_the_serving_scheme(act, weight, scheme):
     ({"act": W8A8["act"], "weight": {**MXFP8, "dtype": "int8"}}, "per_block does not go with dtype int8"),
     ({"act": MXFP8, "weight": {**W8A8["weight"], "dtype": "mxfp4"}}, "per_channel does not go with dtype mxfp4"),
     ({"act": {**W8A8["act"], "dtype": "mxfp8"}, "weight": MXFP8}, "act: scope per_token does not go with"),
-    ({"act": MXFP8, "weight": {**MXFP4, "method": "ssz"}}, "MX weights take method minmax or grid"),
+    ({"act": MXFP8, "weight": {**MXFP4, "method": "ssz"}}, "MX weights take method minmax, grid or gptq"),
     ({"act": W4A8["act"], "weight": {**PER_GROUP, "ext": {}}}, "per_group needs ext.group_size"),
     ({"act": W4A8["act"], "weight": {**PER_GROUP, "ext": {"group_size": 48}}}, "positive multiple of 32"),
     ({"act": W8A8["act"], "weight": {**PER_GROUP, "dtype": "int8"}}, "W4A8_DYNAMIC only, not W8A8_DYNAMIC"),
