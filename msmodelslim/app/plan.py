@@ -113,7 +113,8 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
                 bias = modules[owner].bias
                 size = quant_tensor_bytes(lp.out_features, lp.in_features, lp.scheme,
                                           owner.rsplit(".", 1)[-1] in row_parallel, splits,
-                                          0 if bias is None else bias.numel() * default_float)
+                                          0 if bias is None else bias.numel() * default_float,
+                                          quantizers[lp.quantizer].config.qconfig.weight.group_size)
             else:
                 size = tensor.numel() * (source[name].itemsize if name in source else default_float) \
                     if tensor.is_floating_point() else tensor.numel() * tensor.element_size()

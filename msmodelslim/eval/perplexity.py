@@ -2,7 +2,7 @@
 
 Never holds more than one unit: for each unit in order, the original unit is loaded from the source checkpoint and
 run over every window's hidden state, freed, then the same unit is loaded from the AscendV1 output (dequantised
-weights) with every linear described as W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC replaced by a `QuantLinear`
+weights) with every linear described with a quantized scheme (integer or MX) replaced by a `QuantLinear`
 built from the STORED integers and scales (per-token activation quantization, online rotation if stored), so the
 quantized pass computes what the runtime computes. Attentions the output quantizes (`<attention>.quant_type`) get
 their FA3 points from the adapter and quantizers from the stored scales (`install_attention_quantizers`). The

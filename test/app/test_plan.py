@@ -26,7 +26,7 @@ from msmodelslim.errors import UserError
 
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 PRACTICES = REPO / "lab_practice" / "kimi_k3"
-CASES = [("Kimi-K3", f"kimi_k3_{q}") for q in ("w4a8", "w8a8", "w4a8c8")] + \
+CASES = [("Kimi-K3", f"kimi_k3_{q}") for q in ("w4a8", "w8a8", "w4a8c8", "w4a4c8_mxfp")] + \
         [("Kimi-Linear", f"kimi_linear_{q}") for q in ("w4a8", "w8a8", "w4a8c8")]
 
 
