@@ -26,7 +26,7 @@ from msmodelslim.formats.ascendv1 import AscendV1Reader
 
 from .outputs import MX_PRACTICES
 from .test_vllm_ascend_lookup import lookup_failures
-from .test_vllm_ascend_weights import _first_moe, _tensor, _unpack_output_dim
+from .test_vllm_ascend_weights import _tensor, _unpack_output_dim, moe_layer
 from .vllm_layers import V033
 
 
@@ -43,30 +43,6 @@ def npu_identity(monkeypatch):
 def test_every_tiny_kimi_k3_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, practice):
     count, failures = lookup_failures(vllm_ascend, outputs[("tiny_k3", practice)], V033)
     assert count > 30 and failures == [], "\n".join(failures)
-
-
-def _moe_layer(reader: AscendV1Reader, description: dict, method, suffixes: tuple[str, ...]):
-    """A fused-MoE layer of `method`'s parameters, filled from our expert tensors as vLLM's FusedMoE loader
-    does (w1 -> first half of w13, w3 -> second half, w2 -> w2), with its name, shape and dtype checks."""
-    moe = _first_moe(description)
-    experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in description
-                      if k.startswith(moe + ".experts.") and k.endswith(".w1.weight")})
-    inter, hidden = reader.get(f"{moe}.experts.0.w1.weight").shape
-    layer = torch.nn.Module()
-    params = {**method.get_weight(len(experts), inter, hidden, torch.bfloat16),
-              **method.get_dynamic_quant_param(len(experts), inter, hidden, torch.bfloat16)}
-    for name, value in params.items():
-        layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
-    for e in experts:
-        for w, dst, half in (("w1", "w13", 0), ("w3", "w13", 1), ("w2", "w2", None)):
-            for suffix in suffixes:
-                src = _tensor(reader, f"{moe}.experts.{e}.{w}.{suffix}")
-                param = getattr(layer, f"{dst}_{suffix}").data[e]
-                if half is not None:
-                    param = param.narrow(0, half * src.shape[0], src.shape[0])
-                assert param.shape == src.shape and param.dtype == src.dtype, (w, suffix, param.shape, src.shape)
-                param.copy_(src)
-    return layer, moe, experts
 
 
 def _mx_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -94,7 +70,7 @@ def test_mxfp4_fused_moe_loads_our_experts_and_decodes_to_our_weights(vllm_ascen
 
     ascend.set_vllm_config("kimi_k3", vllm_ascend.AscendModelSlimConfig(dict(description)))
     method = getattr(importlib.import_module(f"vllm_ascend.quantization.methods.{module}"), cls)()
-    layer, moe, experts = _moe_layer(reader, description, method, ("weight", "weight_scale"))
+    layer, moe, experts = moe_layer(reader, description, method, ("weight", "weight_scale"))
     for i, e in enumerate(experts):
         ours = torch.cat([reader.get(f"{moe}.experts.{e}.{w}.weight", dtype=torch.float32) for w in ("w1", "w3")])
         assert reader.quant_type(f"{moe}.experts.{e}.w1") == scheme
@@ -149,7 +125,7 @@ def test_per_group_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(v
     method = AscendW4A8DynamicFusedMoEMethod()
     assert not method.is_per_channel_weight
     suffixes = ("weight", "weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "scale_bias")
-    layer, moe, experts = _moe_layer(reader, description, method, suffixes)
+    layer, moe, experts = moe_layer(reader, description, method, suffixes)
     method.process_weights_after_loading(layer)
 
     def group_scales(packed: torch.Tensor) -> torch.Tensor:  # int64 [E, G, n]: fp32 bits in the low half

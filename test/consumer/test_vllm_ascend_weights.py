@@ -43,16 +43,11 @@ def _first_moe(description: dict) -> str:
     return next(k.rsplit(".experts.", 1)[0] for k in description if ".experts.0.w1.weight" in k)
 
 
-def test_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(vllm_ascend, outputs, npu_is_cpu):
-    out = outputs[("mini", "w4a8c8")] if ("mini", "w4a8c8") in outputs else outputs[("tiny_k3", "w4a8c8")]
-    reader = AscendV1Reader(out)
-    description = json.loads((out / "quant_model_description.json").read_text())
+def moe_layer(reader: AscendV1Reader, description: dict, method, suffixes: tuple[str, ...]):
+    """(layer, MoE name, expert indices): a fused-MoE layer of `method`'s parameters (`get_weight` +
+    `get_dynamic_quant_param`), the first MoE's expert tensors `suffixes` copied in as vLLM's FusedMoE loader does
+    (w1 -> first half of w13, w3 -> second half, w2 -> w2); every tensor must fit its slice in shape and dtype."""
     moe = _first_moe(description)
-    config = vllm_ascend.AscendModelSlimConfig(dict(description))
-    ascend.set_vllm_config("kimi_linear", config)
-    from vllm_ascend.quantization.methods.w4a8 import AscendW4A8DynamicFusedMoEMethod
-
-    method = AscendW4A8DynamicFusedMoEMethod()
     experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in description
                       if k.startswith(moe + ".experts.") and k.endswith(".w1.weight")})
     inter, hidden = reader.get(f"{moe}.experts.0.w1.weight").shape
@@ -61,15 +56,29 @@ def test_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(vllm_ascend
               **method.get_dynamic_quant_param(len(experts), inter, hidden, torch.bfloat16)}
     for name, value in params.items():
         layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
-    for e in experts:  # vLLM's FusedMoE loader: w1 -> first half of w13, w3 -> second half, w2 -> w2
+    for e in experts:
         for w, dst, half in (("w1", "w13", 0), ("w3", "w13", 1), ("w2", "w2", None)):
-            base = f"{moe}.experts.{e}.{w}"
-            for suffix in ("weight", "weight_scale", "weight_offset", "scale_bias"):
-                src = _tensor(reader, f"{base}.{suffix}")
+            for suffix in suffixes:
+                src = _tensor(reader, f"{moe}.experts.{e}.{w}.{suffix}")
                 param = getattr(layer, f"{dst}_{suffix}").data[e]
                 if half is not None:
                     param = param.narrow(0, half * src.shape[0], src.shape[0])
+                assert param.shape == src.shape and param.dtype == src.dtype, (w, suffix, param.shape, src.shape)
                 param.copy_(src)
+    return layer, moe, experts
+
+
+def test_w4a8_fused_moe_after_loading_equals_our_dequantised_experts(vllm_ascend, outputs, npu_is_cpu):
+    out = outputs[("mini", "w4a8c8")] if ("mini", "w4a8c8") in outputs else outputs[("tiny_k3", "w4a8c8")]
+    reader = AscendV1Reader(out)
+    description = json.loads((out / "quant_model_description.json").read_text())
+    config = vllm_ascend.AscendModelSlimConfig(dict(description))
+    ascend.set_vllm_config("kimi_linear", config)
+    from vllm_ascend.quantization.methods.w4a8 import AscendW4A8DynamicFusedMoEMethod
+
+    method = AscendW4A8DynamicFusedMoEMethod()
+    layer, moe, experts = moe_layer(reader, description, method,
+                                    ("weight", "weight_scale", "weight_offset", "scale_bias"))
     method.process_weights_after_loading(layer)
 
     q = _unpack_output_dim(layer.w13_weight.data.view(torch.int8)).transpose(1, 2)  # [E, 2I, H]
