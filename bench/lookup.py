@@ -1,5 +1,6 @@
 """vllm-ascend 0.23.0.post1's own scheme lookup on our outputs: failing lookups / layers looked up, per output and
-vLLM version (the table of issue 14). Same code as test/consumer (which asserts it); this prints the numbers.
+vLLM version (the table of issue 14), for every shipped practice of both models (the Ascend 950 and per-group ones
+too, issue 25). Same code as test/consumer (which asserts it on a subset); this prints the numbers.
 
     python bench/lookup.py
 """
@@ -23,7 +24,7 @@ from consumer.vllm_layers import V023, V033  # noqa: E402
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-lookup-") as root:
-        outputs = build_outputs(Path(root), generated_checkpoint("tiny"))
+        outputs = build_outputs(Path(root), generated_checkpoint("tiny"), every_practice=True)
         module = ascend.import_vllm_ascend()
         for (model, quant_type), out in sorted(outputs.items()):
             for spec in ((V023, V033) if model == "mini" else (V033,)):

@@ -2,7 +2,8 @@
 calibration samples; min/max weights instead of GPTQ, which changes no name, scheme or layout): what the consumer
 tests and bench/lookup.py hand to vllm-ascend. W4A8C8 is the W4A8 practice plus fa3_quant: its linears are the W4A8
 output's, and its MLA attentions carry the FA3 tensors. The Ascend 950 practices (MX) and the per-group W4A8 one
-are made of the tiny Kimi-K3 only (its experts have 64 inputs: groups of 32 instead of the practice's 256)."""
+are made of the tiny Kimi-K3 (its experts have 64 inputs: groups of 32 instead of the practice's 256), and of the
+mini too with `every_practice` (bench/lookup.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ MX_PRACTICES = ("w4a16_mxfp4", "w4a8_mxfp", "w4a4c8_mxfp")
 TINY_GROUP = 32
 
 
-def build_outputs(root: Path, tiny_k3: Path) -> dict[tuple[str, str], Path]:
+def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False) -> dict[tuple[str, str], Path]:
     """{(model, practice): output directory}; kimi-linear-mini is left out where ../shared lacks it."""
     made = {}
     for model, model_type, path, stem in (("mini", "Kimi-Linear", MINI, "kimi_linear"),
                                           ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
         if not (path / "config.json").is_file():
             continue
-        extra = (*MX_PRACTICES, "w4a8_pergroup") if model == "tiny_k3" else ()
+        extra = (*MX_PRACTICES, "w4a8_pergroup") if model == "tiny_k3" or every_practice else ()
         for quant_type in ("w4a8c8", "w8a8", *extra):
             practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
                                          max_samples=2, max_seq_len=64, plain_numerics=True)

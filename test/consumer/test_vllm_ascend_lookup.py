@@ -112,10 +112,11 @@ def mtp_drafter_layers(spec: dict, text: dict) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("packed", ["kimi_linear_mapping", "no_mapping"])
-def test_every_kimi_k3_mtp_drafter_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, packed):
+@pytest.mark.parametrize("practice", ["w4a8c8", "w4a4c8_mxfp"])
+def test_every_kimi_k3_mtp_drafter_layer_resolves_to_the_practice_scheme(vllm_ascend, outputs, packed, practice):
     # The drafter's model class may or may not declare KimiLinearModel's packed modules (not checked against the
     # wheel): both are looked up, as vllm-ascend runs it for model_type kimi_k3_mtp (config/speculative.py:785-793).
-    out = outputs[("tiny_k3", "w4a8c8")]
+    out = outputs[("tiny_k3", practice)]
     description = json.loads((out / "quant_model_description.json").read_text())
     text = json.loads((out / "config.json").read_text())["text_config"]
     config = vllm_ascend.AscendModelSlimConfig(dict(description))
