@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DEMO_CKPT := demo_out/Kimi-K3-tiny
 DEMO_OUT  := demo_out/Kimi-K3-tiny-w4a8
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test: install $(SEED_STAMP)
 	$(PY) -m pytest -q --durations=15 test
 	$(SEED_VENV)/bin/python -c "import transformers, compressed_tensors as c; print('Kimi-K3 tests under transformers', transformers.__version__, 'compressed-tensors', c.__version__)"
 	$(SEED_VENV)/bin/python -m pytest -q $(SEED_TESTS)
+
+test-fast: install  # while working: everything but the tests marked slow (whole quantization runs), no seed env
+	$(VENV)/bin/ruff check msmodelslim test bench example
+	$(PY) -m pytest -q -m "not slow" test
 
 lint: install
 	$(VENV)/bin/ruff check msmodelslim test bench example

@@ -24,6 +24,8 @@ from msmodelslim.app.quant import QuantArgs, plan, quant
 from msmodelslim.cli.main import main
 from msmodelslim.errors import UserError
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 PRACTICES = REPO / "lab_practice" / "kimi_k3"
 CASES = [("Kimi-K3", f"kimi_k3_{q}") for q in ("w4a8", "w8a8", "w4a8c8", "w4a4c8_mxfp")] + \

@@ -15,6 +15,8 @@ import torch
 from msmodelslim.app.resources import resource_path
 from msmodelslim.cli.main import main
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

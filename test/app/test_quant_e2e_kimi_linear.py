@@ -14,6 +14,8 @@ import pytest
 from msmodelslim.app.resources import resource_path
 from msmodelslim.cli.main import main
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[2]
 MINI = REPO / ".." / "shared" / "models" / "kimi-linear-mini"
 

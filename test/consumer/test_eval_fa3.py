@@ -14,6 +14,8 @@ import pytest
 
 from msmodelslim.eval import perplexity
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO.parent / "shared" / "data" / "text" / "python_tutorial.txt"
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from safetensors import safe_open
 
 from .test_eval_fa3 import _eval
+
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 
 
 def _expert_bytes(out):

@@ -20,6 +20,8 @@ from msmodelslim.formats.ascendv1 import AscendV1Reader
 
 from .outputs import MX_PRACTICES, PRACTICES
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 
 def _source(checkpoint, name: str) -> torch.Tensor:
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]

@@ -23,6 +23,8 @@ from . import vllm_ascend_cpu as ascend
 from .outputs import MINI
 from .vllm_layers import V023, V033, serving_layers
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 _MEMBERS = {rule.name: rule.members for rule in FUSED_RULES} | {"fused_qkv_a_g_proj": FUSED_RULES[1].members}
 
 

@@ -29,6 +29,8 @@ from .test_vllm_ascend_lookup import lookup_failures
 from .test_vllm_ascend_weights import _tensor, _unpack_output_dim, moe_layer
 from .vllm_layers import V033
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 
 @pytest.fixture
 def npu_identity(monkeypatch):

@@ -19,6 +19,8 @@ from msmodelslim.formats.ascendv1 import AscendV1Reader
 
 from . import vllm_ascend_cpu as ascend
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 
 @pytest.fixture
 def npu_is_cpu(monkeypatch):

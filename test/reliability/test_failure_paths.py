@@ -20,6 +20,8 @@ from msmodelslim.cli.main import main
 
 from .faults import FAULTS
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 ERROR_LINE = re.compile(r"^msmodelslim: error: (.+)$")
 
 

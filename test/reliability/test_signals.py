@@ -23,6 +23,8 @@ import pytest
 
 from msmodelslim.core.runner.resume import ResumeState
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
 
 

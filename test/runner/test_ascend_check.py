@@ -109,6 +109,7 @@ def test_the_rule_table_cites_its_sources():
     assert all(source for _, source in data["dtype_rules"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "cpu:0,1"])
 def test_a_float64_quarot_practice_fails_the_run_with_one_line(tiny_k3_checkpoint: Path, tmp_path: Path,
                                                                 monkeypatch, capsys, device: str):
@@ -128,6 +129,7 @@ def test_a_float64_quarot_practice_fails_the_run_with_one_line(tiny_k3_checkpoin
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("practice", ["kimi_k3_w4a4c8_mxfp", "kimi_k3_w4a8_pergroup"])
 def test_the_ascend_950_and_per_group_practices_run_under_the_a2_a3_check(tiny_k3_checkpoint: Path, tmp_path: Path,
                                                                           monkeypatch, practice):

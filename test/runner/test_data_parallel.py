@@ -26,6 +26,8 @@ from msmodelslim.core.runner.resume import ResumeState
 
 from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 SHARED = REPO.parent / "shared"
 MINI = SHARED / "models" / "kimi-linear-mini"
 

@@ -29,6 +29,8 @@ from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver
 
 from .dp_helpers import REPO, shrunken_practice
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 

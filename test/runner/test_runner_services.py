@@ -158,6 +158,7 @@ def _jobs_rank(rank: int, world: int, port: int, out: Path) -> None:
         torch_dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_shared_jobs_run_once_and_reach_every_rank(tmp_path):
     mp.spawn(_jobs_rank, args=(2, _free_port(), tmp_path), nprocs=2, join=True)
     single = run_jobs(SINGLE, _jobs())

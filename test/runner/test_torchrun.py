@@ -27,6 +27,8 @@ from msmodelslim.errors import UserError
 
 from .dp_helpers import REPO, assert_same_bytes, shrunken_practice
 
+pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
+
 MARKER_ENV = "MSMODELSLIM_TEST_MARKER"
 
 

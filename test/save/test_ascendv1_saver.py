@@ -202,6 +202,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", [4.0, 3000 / 1024**3])
 def test_two_rank_output_equals_single_process_output(tmp_path, part):
     """Reference: the single-process save of the full layer; the 2-rank merge must give the same index names,

@@ -215,6 +215,7 @@ def _ep_rank(rank: int, world: int, port: int, out: Path) -> None:
         torch_dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_expert_parallel_smoothing_equals_one_device(tmp_path):
     """Two gloo ranks (EP: experts 0-7 / 8-15; DP: one calibration sample each) against one device with both
     samples: replicated weights bit-identical on both ranks and equal to one device (rel 1e-6: the EP forward sums
