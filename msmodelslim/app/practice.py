@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 class ChosenPractice:
     path: Path
     practice: PracticeConfig
-    explicit: bool  # True when given with --config_path
 
 
 def practice_dir(group: str, root: Path | None = None) -> Path:
@@ -116,6 +115,6 @@ def choose_practice(
             logger.warning("%s is not verified for --tag %s (it is for %s)", path, " ".join(tags),
                            _hardware(practice.metadata, model_type) if practice.metadata.verified_tags.get(model_type)
                            else "the default hardware")
-        return ChosenPractice(path, practice, explicit=True)
+        return ChosenPractice(path, practice)
     path = find_practice(model_type, quant_type, group, root, tags)
-    return ChosenPractice(path, load_practice(path), explicit=False)
+    return ChosenPractice(path, load_practice(path))

@@ -194,7 +194,6 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int
         adapter_cls=plan.adapter_cls,
         practice=plan.chosen.practice,
         trust_remote_code=args.trust_remote_code,
-        model_type=args.model_type,
         records=plan.records,
         orphan_cleanup=(_side_name(plan.save_path, "lock"),),
         resume_after=resume_after,

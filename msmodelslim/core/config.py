@@ -34,12 +34,10 @@ import yaml
 
 from msmodelslim.errors import UserError
 
-APIVERSIONS = ("modelslim_v1", "multimodal_vlm_modelslim_v1")
 # A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
 # no layer-wise run finishes on that, and calibration needs far fewer).
 DEFAULT_MAX_SEQ_LEN = 4096
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
-RUNNERS = ("auto", "layer_wise", "dp_layer_wise")
 
 
 class PracticeError(UserError):

@@ -293,9 +293,6 @@ class LinearQuantProcessor(Processor):
             out[f"{name}.q"], out[f"{name}.scale"] = q[i], scale[i]
         return out
 
-    def describe(self) -> dict[str, Any]:
-        return {}
-
 
 def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, LinearQuantConfig | None]:
     """Serving name -> the linear_quant entry that will quantize each linear of the model: the first one (in YAML

@@ -43,7 +43,7 @@ def test_success_publishes_output_with_the_chosen_practice(tmp_path, model_dir, 
     assert request.work_dir.parent == save.parent and request.work_dir.name == ".Kimi-K3-w4a8.partial"
     assert request.device == DeviceSpec("cpu", (0, 1))
     assert request.adapter_cls is DummyAdapter and request.trust_remote_code is True
-    assert request.model_type == "Kimi-K3" and request.practice.metadata.config_id == "stub_w4a8"
+    assert request.practice.metadata.config_id == "stub_w4a8"
     assert result.files == 3 and result.practice_path == practice_file
 
 

@@ -89,7 +89,6 @@ class QuantRequest:
     adapter_cls: type[ModelAdapter]
     practice: Any  # core.config.PracticeConfig
     trust_remote_code: bool
-    model_type: str
     prefetch: bool = True
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
     # what the ranks remove should the main process die without cleaning up (the app's lock file)

@@ -40,7 +40,6 @@ class RunStats:
     work, collectives included) say where that time went."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    units: int = 0
 
     def add(self, stage: str, seconds: float) -> None:
         self.seconds[stage] += seconds
@@ -156,7 +155,6 @@ class LayerWiseRunner:
                 self.stats.add("save", time.perf_counter() - t0)
                 if self.resume is not None:
                     self._keep_state(i, states)
-                self.stats.units += 1
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
         finally:
