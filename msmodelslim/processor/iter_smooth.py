@@ -40,6 +40,7 @@ from torch import nn
 
 from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
 from msmodelslim.processor.globs import selected
@@ -168,6 +169,10 @@ class IterSmoothProcessor(Processor):
 
     def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
         self.schemes = dict(schemes)
+        mx = sorted({s for s in schemes.values() if s != FLOAT and get_scheme(s).is_mx})
+        if self.config.search and mx:
+            raise UserError(f"iter_smooth: the strength search models the integer schemes' error, and the practice "
+                            f"quantizes with {', '.join(mx)}; set search: false (a fixed alpha) or leave it out")
 
     def selected(self, ctx: UnitContext, sg: Subgraph) -> bool:
         """Every reader's checkpoint name matches an include glob and no exclude glob."""

@@ -28,8 +28,9 @@ vllm-ascend's MoE kernel reads one group size for the model, from the descriptio
 Weight methods (`qconfig.weight.method`; `quant/modules.py`): `minmax`, `ssz` (least-squares refined minmax),
 `grid` (clipping grid + refinement; for MX the exponent search of quant/mx.py), `gptq` (GPTQ on the input Hessian
 the runner records, with the diag(H)-weighted grid scale, or for MX the diag(H)-weighted exponent search; `ext:
-{percdamp: 0.01, block_size: 128, act_order: true}` as msModelSlim names them). Each linear's quantization is one job for the runner: replicated
-linears are spread over data-parallel ranks and broadcast, routed experts are quantized by the rank that holds them.
+{percdamp: 0.01, block_size: 128, act_order: true}` as msModelSlim names them). Each linear's quantization is one
+job for the runner: replicated linears are spread over data-parallel ranks and broadcast, routed experts are
+quantized by the rank that holds them.
 
 The checkpoint's own MXFP4 (`W4A16_MXFP4`, `W4A8_MXFP`, `W4A4_MXFP4`): a linear the source stores as MXFP4 whose
 weight no earlier processor changed (no rotation, no smoothing: its weight still equals the decoded bytes) keeps the

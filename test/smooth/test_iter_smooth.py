@@ -279,3 +279,13 @@ def test_smoothing_a_quantized_linear_is_a_clear_error():
     layer.mlp.down_proj = QuantLinear.from_linear(layer.mlp.down_proj, "W8A8_DYNAMIC", weight_method="minmax")
     with pytest.raises(ValueError, match="mlp.down_proj has no float weight"):
         run_processor(smoother(adapter), UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: None))
+
+
+def test_the_strength_search_refuses_mx_readers_it_cannot_model():
+    from msmodelslim.errors import UserError
+
+    processor = IterSmoothProcessor(IterSmoothConfig.build(search=True), None)
+    processor.preflight(None, {"a.q_proj": "W8A8_DYNAMIC", "b": "FLOAT"})  # integer readers: modelled
+    with pytest.raises(UserError, match="search: false .* W8A8_MXFP8|W8A8_MXFP8.*search: false"):
+        processor.preflight(None, {"a.q_proj": "W8A8_MXFP8"})
+    IterSmoothProcessor(IterSmoothConfig.build(search=False), None).preflight(None, {"a.q_proj": "W8A8_MXFP8"})
