@@ -36,12 +36,19 @@ class GPTQOptions:
 DEFAULT_GPTQ = GPTQOptions()
 
 
+def hessian_diagonals(hessian: torch.Tensor | None, index: torch.Tensor | None = None) -> torch.Tensor:
+    """diag(H) of each matrix's Hessian ([..., in]); with `index`, matrix b reads Hessian index[b] (only the
+    diagonals are gathered, not the matrices). GPTQ's scales and exponents are searched weighted by it."""
+    if hessian is None:
+        raise ValueError("weight method 'gptq' needs the input Hessian")
+    diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    return diag if index is None else diag[index.to(diag.device)]
+
+
 def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype, index: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search ([..., out, 1]); with `index`,
-    matrix b reads the diagonal of Hessian index[b] (only the diagonals are gathered, not the matrices)."""
-    diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
-    return grid_scale_search(w, dtype, importance=diag if index is None else diag[index.to(diag.device)])
+    """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search ([..., out, 1])."""
+    return grid_scale_search(w, dtype, importance=hessian_diagonals(hessian, index))
 
 
 def shrunk_hessian(hessian: torch.Tensor, tokens: int | torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,7 @@ from msmodelslim.quant.functional import (
     quantize_with_scale,
     ssz_scale_search,
 )
-from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQOptions, gptq_quantize, gptq_scale
+from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQOptions, gptq_quantize, gptq_scale, hessian_diagonals
 from msmodelslim.quant.granularity import IntDtype, PerChannel, int4, int8
 from msmodelslim.quant.mx import (
     BLOCK,
@@ -130,8 +130,8 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "
     positive one), and q is computed against exactly that value. gptq reads `hessian` (X^T X of the input) and
     `tokens` (how many rows it summed); for a batch [B, out, in], `hessian_index` [B] picks each matrix's Hessian
     among `hessian` [U, d, d] (readers of one input share one).
-    MX formats: (stored elements uint8, E8M0 scales uint8 [..., out, in / 32]) as quant/mx.py stores them; `minmax`
-    or `grid` (the exponent search, weighted by diag(H) when the Hessian is known)."""
+    MX formats: (stored elements uint8, E8M0 scales uint8 [..., out, in / 32]) as quant/mx.py stores them; `minmax`,
+    `grid` (the exponent search) or `gptq` (`_quantize_mx`)."""
     if isinstance(dtype, MXFormat):
         return _quantize_mx(w, dtype, method, hessian, tokens, gptq, hessian_index)
     if group_size:
@@ -144,8 +144,6 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "
     elif method == "grid":
         scale = grid_scale_search(w, dtype)
     elif method == "gptq":
-        if hessian is None:
-            raise ValueError("weight method 'gptq' needs the input Hessian")
         scale = gptq_scale(w, hessian, dtype, hessian_index)
     else:
         raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
@@ -161,10 +159,7 @@ def _quantize_mx(w: torch.Tensor, fmt: MXFormat, method: str, hessian: torch.Ten
     error-compensating rounding to the elements against those fixed exponents."""
     if method != "gptq":
         return quantize_mx_weight(w, fmt, method)
-    if hessian is None:
-        raise ValueError("weight method 'gptq' needs the input Hessian")
-    diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
-    exponents = grid_exponents(w, fmt, diag if hessian_index is None else diag[hessian_index.to(diag.device)])
+    exponents = grid_exponents(w, fmt, hessian_diagonals(hessian, hessian_index))
     per_weight = torch.exp2(exponents.to(torch.float32)).repeat_interleave(BLOCK, dim=-1)
     elements = gptq_quantize(w, hessian, per_weight, fmt, gptq, tokens, hessian_index)
     return encode_weight(elements.to(torch.float32), exponents, fmt)
@@ -189,10 +184,7 @@ def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: i
     groups = in_f // group_size
     rows = w.reshape(*lead, out_f * groups, group_size)  # one row per (output channel, group)
     if method == "gptq":
-        if hessian is None:
-            raise ValueError("weight method 'gptq' needs the input Hessian")
-        diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
-        diag = diag if hessian_index is None else diag[hessian_index.to(diag.device)]
+        diag = hessian_diagonals(hessian, hessian_index)
         by_group = w.reshape(*lead, out_f, groups, group_size).transpose(-3, -2)  # [..., G, out, g]
         imp = diag.reshape(*diag.shape[:-1], groups, group_size)  # [..., G, g]
         scale = grid_scale_search(by_group, dtype, importance=imp).transpose(-3, -2)  # [..., out, G, 1]
