@@ -289,7 +289,7 @@ class AscendV1Saver(Saver):
         self._files = list(state["files"])
         self._description = dict(state["description"])
         self._attention = {k: dict(v) for k, v in state["attention"].items()}
-        self._group_sizes = set(state["group_sizes"])
+        self._group_sizes = set(state.get("group_sizes", ()))  # absent in the state of an earlier version
         kept = {entry["file"] for entry in self._files}
         prefix = _TMP_SHARD.split("-part")[0].format(rank=self.dist.rank)
         for path in self.work_dir.glob(f"{prefix}-part*.safetensors"):
