@@ -26,6 +26,7 @@ from typing import Any
 from msmodelslim.app.resources import resource_path
 from msmodelslim.core.config import PracticeConfig, load_practice, load_practice_header
 from msmodelslim.errors import UserError
+from msmodelslim.processor.catalog import registries
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def choose_practice(
         shipped = practice_dir(group, root) / f"{config_path}.yaml"
         if not path.exists() and path.name == str(config_path) and shipped.is_file():
             path = shipped  # a shipped practice by name, e.g. kimi_k3_w4a8_pergroup
-        practice = load_practice(path)
+        practice = load_practice(path, *registries())
         if model_type not in practice.metadata.model_types:
             logger.warning("%s is verified for %s, not for %s", path, ", ".join(practice.metadata.model_types),
                            model_type)
@@ -117,4 +118,4 @@ def choose_practice(
                            else "the default hardware")
         return ChosenPractice(path, practice)
     path = find_practice(model_type, quant_type, group, root, tags)
-    return ChosenPractice(path, load_practice(path))
+    return ChosenPractice(path, load_practice(path, *registries()))

@@ -12,9 +12,10 @@ spec:
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
-`spec.process` / `spec.save` become lists of `Entry(type, config)`. Processor and saver entries are built generically from the config dataclass registered under their `type`
-(`processor.base.PROCESSORS`, `processor.save.base.SAVERS`): keys are checked against `dataclasses.fields`, values
-against the field type hints (nested dataclasses, lists, tuples, dicts, Literal, Optional), then `.validate()` runs.
+`spec.process` / `spec.save` become lists of `Entry(type, config, cls)`. Processor and saver entries are built
+generically from the config dataclass registered under their `type` in the registries `load_practice` is given (the
+application's: `processor.catalog.registries()`): keys are checked against `dataclasses.fields`, values against the
+field type hints (nested dataclasses, lists, tuples, dicts, Literal, Optional), then `.validate()` runs.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Entry:
 
     type: str  # key of PROCESSORS / SAVERS
     config: Any  # instance of PROCESSORS[type].config_cls (or SAVERS[type].config_cls)
+    cls: type  # the registered class, built with (config, ...) by the service
 
 
 @dataclass
@@ -369,7 +371,7 @@ def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SchemaError(_join(entry_path, "type"), f"unknown {kind} type {name!r}; expected one of {known}{hint}")
         fields = {k: v for k, v in entry.items() if k != "type"}
-        entries.append(Entry(name, build_dataclass(registry[name].config_cls, fields, entry_path)))
+        entries.append(Entry(name, build_dataclass(registry[name].config_cls, fields, entry_path), registry[name]))
     return entries
 
 
@@ -384,14 +386,6 @@ def _check_label_is_kept(label: Label, process: list[Entry], processors: Mapping
         quantizers = sorted(n for n, p in processors.items() if getattr(p, "quantizes_attention", False))
         raise SchemaError("metadata.label.kv_cache", "true needs a processor in spec.process that quantizes the "
                            f"attention / KV cache; available: {', '.join(quantizers) or 'none in this version'}")
-
-
-def _registries() -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    import msmodelslim.processor.catalog  # noqa: F401 - fills the registries
-    from msmodelslim.processor.base import PROCESSORS
-    from msmodelslim.processor.save.base import SAVERS
-
-    return PROCESSORS, SAVERS
 
 
 def _check_top_keys(data: Mapping[str, Any], required: tuple[str, ...]) -> None:
@@ -422,21 +416,11 @@ def load_practice_header(path: str | Path) -> PracticeHeader:
     return PracticeHeader(apiversion, metadata, path)
 
 
-def load_practice(
-    path: str | Path,
-    processors: Mapping[str, Any] | None = None,
-    savers: Mapping[str, Any] | None = None,
-) -> PracticeConfig:
-    """Parse and validate a practice YAML. Errors are `PracticeError("<file>: <key path>: <problem>")`.
-
-    `processors` / `savers` default to the global registries (filled by `msmodelslim.processor.catalog`).
-    """
+def load_practice(path: str | Path, processors: Mapping[str, Any], savers: Mapping[str, Any]) -> PracticeConfig:
+    """Parse and validate a practice YAML against the registries given (the application's are
+    `msmodelslim.processor.catalog.registries()`). Errors are `PracticeError("<file>: <key path>: <problem>")`."""
     path = Path(path)
     data = _read_yaml(path)
-    if processors is None or savers is None:
-        default_processors, default_savers = _registries()
-        processors = default_processors if processors is None else processors
-        savers = default_savers if savers is None else savers
 
     def process_entries(value: Any, key_path: str) -> list[Entry]:
         return _build_entries(value, key_path, processors, "processor")

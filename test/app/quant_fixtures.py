@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from msmodelslim.core import config as config_mod
+from msmodelslim.app import practice as practice_mod
 from msmodelslim.core import quant_service
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.model.registry import ModelEntry
@@ -64,7 +64,7 @@ def practice_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def stub_service(monkeypatch):
     """Dummy processor/saver registries, a dummy adapter class and a recording run_service."""
-    monkeypatch.setattr(config_mod, "_registries", lambda: ({"noop": NoopEntry}, {"noop_saver": NoopEntry}))
+    monkeypatch.setattr(practice_mod, "registries", lambda: ({"noop": NoopEntry}, {"noop_saver": NoopEntry}))
     monkeypatch.setattr(ModelEntry, "load_adapter_class", lambda self: DummyAdapter)
     calls = []
 

@@ -11,6 +11,7 @@ import pytest
 from msmodelslim.app.practice import choose_practice, find_practice
 from msmodelslim.app.resources import resource_path
 from msmodelslim.errors import UserError
+from msmodelslim.processor.catalog import registries
 
 HEADER = """\
 apiversion: modelslim_v1
@@ -120,7 +121,7 @@ SHIPPED = sorted((resource_path("lab_practice")).rglob("*.yaml"))
 def test_shipped_practices_validate_against_the_real_processors(path):
     from msmodelslim.core.config import load_practice
 
-    practice = load_practice(path)  # the real PROCESSORS / SAVERS, filled by msmodelslim.processor.catalog
+    practice = load_practice(path, *registries())  # the real PROCESSORS / SAVERS
     assert practice.quant_type in ("w4a8", "w8a8", "w4a4", "w4a8c8", "w4a16", "w4a4c8")
     expected_api = "multimodal_vlm_modelslim_v1" if "Kimi-K3" in practice.metadata.model_types else "modelslim_v1"
     assert practice.apiversion == expected_api
@@ -139,7 +140,7 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
     from msmodelslim.processor.base import PROCESSORS
     from msmodelslim.processor.linear_quant import check_fused_groups, planned_schemes
 
-    spec = load_practice(resource_path("lab_practice") / "kimi_k3" / f"{practice}.yaml").spec
+    spec = load_practice(resource_path("lab_practice") / "kimi_k3" / f"{practice}.yaml", *registries()).spec
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
         processors = [PROCESSORS[e.type](e.config, adapter) for e in spec.process]
         check_fused_groups(processors, adapter)

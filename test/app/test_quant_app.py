@@ -56,7 +56,7 @@ def test_lookup_by_quant_type_uses_lab_practice(tmp_path, model_dir, monkeypatch
     stub.write_text(PRACTICE.format(apiversion="multimodal_vlm_modelslim_v1", dataset="calibImages"))
     seen = []
     real = practice_mod.load_practice
-    monkeypatch.setattr(practice_mod, "load_practice", lambda p: seen.append(Path(p)) or real(stub))
+    monkeypatch.setattr(practice_mod, "load_practice", lambda p, *reg: seen.append(Path(p)) or real(stub, *reg))
     save = tmp_path / "o"
     quant(args(model_dir, save, quant_type="w4a8"))
     assert seen == [resource_path("lab_practice") / "kimi_k3" / "kimi_k3_w4a8.yaml"]

@@ -98,12 +98,12 @@ def test_valid_practice_builds_typed_configs(tmp_path):
     spec = practice.spec
     assert spec.runner == "dp_layer_wise" and spec.max_samples == 8 and spec.max_seq_len == 4096  # the default cap
     assert [e.type for e in spec.process] == ["quarot", "smooth"]
-    assert spec.process[0] == Entry("quarot", SmoothCfg())
+    assert spec.process[0] == Entry("quarot", SmoothCfg(), SmoothProc)
     smooth = spec.process[1].config
     assert smooth == SmoothCfg(alpha=0.9, enable_subgraph_type=["norm-linear", "up-down"],
                                inner=Inner("per_channel", 4), extra={"a": 1})
     assert isinstance(smooth.alpha, float)
-    assert spec.save == [Entry("ascendv1_saver", SaveCfg(4.0))]
+    assert spec.save == [Entry("ascendv1_saver", SaveCfg(4.0), SaveProc)]
     assert practice.path == tmp_path / "p.yaml"
 
 
@@ -249,3 +249,14 @@ def test_kv_cache_label_without_attention_quantizer_is_refused(tmp_path):
     path = write(tmp_path, GOOD.replace("kv_cache: false", "kv_cache: true"))
     with pytest.raises(PracticeError, match=r"metadata\.label\.kv_cache: true needs a processor"):
         load(path)
+
+
+def test_the_practice_schema_does_not_reach_up_into_the_processors():
+    # core is a floor below processor/: loading the schema imports no processor module (the registries are given)
+    import subprocess
+    import sys
+
+    code = ("import sys, msmodelslim.core.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('msmodelslim.processor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from msmodelslim.core.config import PracticeError, load_practice
+from msmodelslim.processor.catalog import registries
 from msmodelslim.quant.attention import AttentionQuantSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,13 +33,13 @@ def _fa3(practice):
 
 
 def test_no_qconfig_means_int8_per_head_for_q_k_and_v(tmp_path):
-    config = _fa3(load_practice(_with_fa3(tmp_path, {})))
+    config = _fa3(load_practice(_with_fa3(tmp_path, {}), *registries()))
     assert config.specs == {b: AttentionQuantSpec("int8", "per_head") for b in ("fa_q", "fa_k", "fa_v")}
 
 
 def test_details_quantize_the_points_they_name(tmp_path):
     details = {"fa_q": {"dtype": "fp8_e4m3", "scope": "per_token"}, "fa_k": {"dtype": "fp8_e4m3"}}
-    config = _fa3(load_practice(_with_fa3(tmp_path, {"details": details})))
+    config = _fa3(load_practice(_with_fa3(tmp_path, {"details": details}), *registries()))
     assert config.specs == {"fa_q": AttentionQuantSpec("fp8_e4m3", "per_token"),
                             "fa_k": AttentionQuantSpec("fp8_e4m3", "per_head")}
 
@@ -54,7 +55,7 @@ def test_details_quantize_the_points_they_name(tmp_path):
 ])
 def test_a_plan_vllm_ascend_cannot_read_is_a_schema_error(tmp_path, entry, message):
     with pytest.raises(PracticeError, match="fa3_quant|spec.process") as err:
-        load_practice(_with_fa3(tmp_path, entry))
+        load_practice(_with_fa3(tmp_path, entry), *registries())
     assert message in str(err.value)
 
 

@@ -103,17 +103,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_entries(entries: list[Any], registry: dict[str, type], *args: Any) -> list[Any]:
-    return [registry[entry.type](entry.config, *args) for entry in entries]
+def build_entries(entries: list[Any], *args: Any) -> list[Any]:
+    """The processors (or savers) of practice entries, each built from its config and `args`."""
+    return [entry.cls(entry.config, *args) for entry in entries]
 
 
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
-    from msmodelslim.processor.base import PROCESSORS
 
     samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
-    processors = build_entries(spec.process, PROCESSORS, adapter)
+    processors = build_entries(spec.process, adapter)
     schemes = planned_schemes(processors, adapter)
     for processor in processors:
         processor.preflight(adapter, schemes)
@@ -203,7 +203,6 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                failures: str | None = None, main_pid: int | None = None) -> dict[str, float]:
     """One rank of a run (rank 0 of 1 on a single device). A failing rank notes its error and the time in the
     folder `failures`, so the service can report the rank that failed first rather than a peer that only lost it."""
-    from msmodelslim.processor.save.base import SAVERS
 
     spec = request.practice.spec
     world = request.device.world_size
@@ -227,7 +226,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         samples, processors = prepare_run(adapter, records, spec)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
-        savers = build_entries(spec.save, SAVERS, adapter, request.work_dir, dist)
+        savers = build_entries(spec.save, adapter, request.work_dir, dist)
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
