@@ -59,10 +59,12 @@ def shards(sizes: list[int], limit: int) -> list[int]:
 
 def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
                tokens: int, samples: int) -> dict[str, Any]:
-    from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, select
+    from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, planned_configs
     from msmodelslim.processor.save.ascendv1_saver import quant_tensor_bytes, source_float_dtypes
 
     quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
+    planned = planned_configs(processors, adapter)
+    entry_index = {id(q.config): i for i, q in enumerate(quantizers)}
     units = adapter.units()
     linears: list[LinearPlan] = []
     modules: dict[str, Any] = {}
@@ -72,9 +74,8 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
             if not live or not isinstance(mod, torch.nn.Linear):
                 continue
             name = adapter.checkpoint_name(unit, live)
-            which = next((i for i, q in enumerate(quantizers)
-                          if select(name, unit.kind, q.config.include, q.config.exclude)), None)
-            cfg = quantizers[which].config if which is not None else None
+            cfg = planned[name]
+            which = None if cfg is None else entry_index[id(cfg)]
             linears.append(LinearPlan(unit, name, mod.out_features, mod.in_features,
                                       cfg.scheme.name if cfg else FLOAT, which,
                                       cfg.qconfig.weight.method if cfg else None, bool(adapter.is_expert(name))))

@@ -70,13 +70,20 @@ class ModelAdapter(ABC):
 
         Walked once, on the first call (the practice checks and the saver all ask before any processor runs; later,
         linear_quant has replaced these linears by QuantLinears, and the answer is still the model's linears)."""
-        cached = self.__dict__.get("_linear_names")
+        return [(unit, name) for unit, name, _ in self._linears()]
+
+    def linear_in_features(self) -> dict[str, int]:
+        """Serving name -> in_features of every nn.Linear of the model (the same walk as `linear_names`)."""
+        return {name: width for _, name, width in self._linears()}
+
+    def _linears(self) -> list[tuple[Unit, str, int]]:
+        cached = self.__dict__.get("_linear_walk")
         if cached is None:
-            cached = [(unit, self.checkpoint_name(unit, live_name)) for unit in self.units()
+            cached = [(unit, self.checkpoint_name(unit, live_name), mod.in_features) for unit in self.units()
                       for live_name, mod in self.unit_module(unit).named_modules()
                       if live_name and isinstance(mod, nn.Linear)]
-            self.__dict__["_linear_names"] = cached
-        return list(cached)
+            self.__dict__["_linear_walk"] = cached
+        return cached
 
     def fused_groups(self) -> list[tuple[str, list[str]]]:
         """(fused layer name, serving names of its shards): linears the serving engine runs as one layer with one

@@ -303,10 +303,16 @@ def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, Line
             for unit, name in adapter.linear_names()}
 
 
-def planned_schemes(processors: list[Processor], adapter: Any) -> dict[str, str]:
-    """Serving name -> the scheme each linear of the model will get (FLOAT when none)."""
-    return {name: FLOAT if cfg is None else cfg.scheme.name
-            for name, cfg in planned_configs(processors, adapter).items()}
+def scheme_names(planned: dict[str, LinearQuantConfig | None]) -> dict[str, str]:
+    """Serving name -> the scheme each linear will get (FLOAT when none), of `planned_configs`."""
+    return {name: FLOAT if cfg is None else cfg.scheme.name for name, cfg in planned.items()}
+
+
+def check_plan(processors: list[Processor], planned: dict[str, LinearQuantConfig | None], adapter: Any) -> None:
+    """Every check of the linears' plan that needs no compute, and the report of the checkpoint bytes kept."""
+    check_fused_groups(scheme_names(planned), adapter)
+    check_served_schemes(planned, adapter)
+    report_native_mxfp4(processors, planned, adapter)
 
 
 def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
@@ -332,14 +338,11 @@ def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
 _MX_INPUT_MULTIPLE = {"W4A8_MXFP": 64, "W4A4_MXFP4": 64}
 
 
-def check_served_schemes(processors: list[Processor], adapter: Any) -> None:
-    """What the serving engine needs of the plan, checked before any compute: one group size for the model,
-    W4A16_MXFP4 on routed experts only (vllm-ascend registers it for MoE layers, not for linears), and input
-    widths the scheme's blocks or groups divide."""
-    planned = planned_configs(processors, adapter)
+def check_served_schemes(planned: dict[str, LinearQuantConfig | None], adapter: Any) -> None:
+    """What the serving engine needs of the plan: one group size for the model, W4A16_MXFP4 on routed experts only
+    (vllm-ascend registers it for MoE layers, not for linears), and input widths the blocks or groups divide."""
     description_group_size([cfg for cfg in planned.values() if cfg is not None])
-    widths = {adapter.checkpoint_name(unit, live): mod.in_features for unit in adapter.units()
-              for live, mod in adapter.unit_module(unit).named_modules() if live and isinstance(mod, nn.Linear)}
+    widths = adapter.linear_in_features()
     for name, cfg in planned.items():
         if cfg is None:
             continue
@@ -354,37 +357,36 @@ def check_served_schemes(processors: list[Processor], adapter: Any) -> None:
                             f"exclude it from that linear_quant entry")
 
 
-def report_native_mxfp4(processors: list[Processor], adapter: Any) -> None:
+def report_native_mxfp4(processors: list[Processor], planned: dict[str, LinearQuantConfig | None],
+                        adapter: Any) -> None:
     """Log, before any compute, how many linears will keep the checkpoint's MXFP4 bytes."""
     earlier: list[str] = []
     for processor in processors:
         if isinstance(processor, LinearQuantProcessor):
-            scheme = processor.config.scheme
-            if scheme.is_mx and scheme.weight.bits == 4:
-                cfg = processor.config
-                chosen = [name for name, c in planned_configs(processors, adapter).items() if c is cfg]
+            cfg = processor.config
+            if cfg.scheme.is_mx and cfg.scheme.weight.bits == 4:
+                chosen = [name for name, c in planned.items() if c is cfg]
                 stored = sum(adapter.stores_mxfp4(name) for name in chosen)
                 if not earlier:
                     fate = "all of them keep the checkpoint's bytes (no processor before this one changes weights)"
                 else:
                     fate = (f"{', '.join(earlier)} run first: those whose weights they change are quantized again "
                             f"(the log says how many per layer), the others keep the checkpoint's bytes")
-                logger.info("linear_quant %s: %d of its %d linears are MXFP4 in the checkpoint; %s", scheme.name,
+                logger.info("linear_quant %s: %d of its %d linears are MXFP4 in the checkpoint; %s", cfg.scheme.name,
                             stored, len(chosen), fate)
         elif not getattr(processor, "quantizes_attention", False):
             earlier.append(processor.name)
 
 
-def check_fused_groups(processors: list[Processor], adapter: Any) -> None:
-    """Refuse a practice that would give the shards of one serving-engine layer different schemes: vllm-ascend
-    loads such a layer with one scheme and rejects a mixed one (`modelslim_config.py:695-700`)."""
-    plan = planned_schemes(processors, adapter)
+def check_fused_groups(schemes: dict[str, str], adapter: Any) -> None:
+    """Refuse a plan (serving name -> scheme) that would give the shards of one serving-engine layer different
+    schemes: vllm-ascend loads such a layer with one scheme and rejects a mixed one (`modelslim_config.py:695-700`)."""
     for group, shards in adapter.fused_groups():
-        schemes = {}
+        by_scheme: dict[str, str] = {}
         for shard in shards:
-            schemes.setdefault(plan[shard], shard)
-        if len(schemes) > 1:
-            detail = "; ".join(f"{shard} is {scheme}" for scheme, shard in schemes.items())
+            by_scheme.setdefault(schemes[shard], shard)
+        if len(by_scheme) > 1:
+            detail = "; ".join(f"{shard} is {scheme}" for scheme, shard in by_scheme.items())
             members = sorted({s.rsplit(".", 1)[-1] if ".experts." not in s else "experts.*" for s in shards})
             raise UserError(f"spec.process: the serving engine runs {group} as one layer with one scheme, but the "
                             f"practice splits it ({detail}); include or exclude {', '.join(members)} together")

@@ -37,12 +37,7 @@ from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.processor.linear_quant import (
-    check_fused_groups,
-    check_served_schemes,
-    planned_schemes,
-    report_native_mxfp4,
-)
+from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +109,11 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
 
     samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
     processors = build_entries(spec.process, adapter)
-    schemes = planned_schemes(processors, adapter)
+    planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
+    schemes = scheme_names(planned)
     for processor in processors:
         processor.preflight(adapter, schemes)
-    check_fused_groups(processors, adapter)
-    check_served_schemes(processors, adapter)
-    report_native_mxfp4(processors, adapter)
+    check_plan(processors, planned, adapter)
     return samples, processors
 
 
