@@ -26,6 +26,13 @@ def _absmax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     raise TypeError(f"unknown granularity {granularity!r}")
 
 
+def keep_better(best: torch.Tensor, best_err: torch.Tensor, candidate: torch.Tensor, err: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best, best_err) updated elementwise with `candidate` where its `err` is strictly lower (a search's step)."""
+    better = err < best_err
+    return torch.where(better, candidate, best), torch.where(better, err, best_err)
+
+
 def minmax_scale(x: torch.Tensor, bits: int | str | IntDtype, granularity: Granularity) -> torch.Tensor:
     """Symmetric min/max scale absmax / qmax; an all-zero slice gets scale 1 (its integers are 0 anyway)."""
     d = _as_dtype(bits)
@@ -106,12 +113,7 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
         qq = rowdot(q, q)
         residual = torch.sub(w2, q * s, out=prod)  # the error itself: no float64 needed on the device
         err = rowdot(residual, residual)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, s, best_s)
+        best_s, best_err = (s, err) if best_err is None else keep_better(best_s, best_err, s, err)
         if step == iters:
             break
         new_s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1), s)
@@ -161,17 +163,11 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     best_s, best_err = base, error(base)
     for k in range(1, steps):
         s = base * (1.0 - k * (1.0 - min_ratio) / (steps - 1))
-        err = error(s)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s = torch.where(better, s, best_s)
+        best_s, best_err = keep_better(best_s, best_err, s, error(s))
     for _ in range(refine):
         torch.div(w2, best_s, out=q).round_().clamp_(d.qmin, d.qmax)
         wq = torch.mul(w2, q, out=prod).mul_(imp).sum(dim=-1, keepdim=True)
         qq = q.square().mul_(imp).sum(dim=-1, keepdim=True)
         s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1e-30), best_s)
-        err = error(s)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s = torch.where(better, s, best_s)
+        best_s, best_err = keep_better(best_s, best_err, s, error(s))
     return best_s.to(torch.float32)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from msmodelslim.core.placement import on_host
+from msmodelslim.quant.functional import keep_better
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -146,19 +147,17 @@ def grid_exponents(w: torch.Tensor, fmt: MXFormat, importance: torch.Tensor | No
     blocks = to_blocks(w.to(torch.float32))
     imp = None if importance is None else \
         to_blocks(importance.to(blocks.device, torch.float32).clamp_min(0)).unsqueeze(-3)  # [..., 1, in/32, 32]
-    e0 = shared_exponents(blocks.abs().amax(dim=-1), fmt, round_up=fmt.bits == 4)
-    best_e, best_err = e0, None
-    for shift in (0, -1, 1):
-        e = (e0 + shift).clamp(_E_MIN, _E_MAX)
+
+    def error(e: torch.Tensor) -> torch.Tensor:  # per block
         scale = _block_scale(e)
         err = (blocks - round_to_elements(blocks / scale, fmt) * scale).square_()
-        err = (err if imp is None else err.mul_(imp)).sum(dim=-1)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best_e = torch.where(better, e, best_e)
-            best_err = torch.where(better, err, best_err)
+        return (err if imp is None else err.mul_(imp)).sum(dim=-1)
+
+    e0 = shared_exponents(blocks.abs().amax(dim=-1), fmt, round_up=fmt.bits == 4)
+    best_e, best_err = e0, error(e0)
+    for shift in (-1, 1):
+        e = (e0 + shift).clamp(_E_MIN, _E_MAX)
+        best_e, best_err = keep_better(best_e, best_err, e, error(e))
     return best_e
 
 
