@@ -33,8 +33,8 @@ from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.functional import (
     dequantize,
     grid_scale_search,
+    minmax_scale,
     quantize_per_token,
-    quantize_symmetric,
     quantize_with_scale,
     ssz_scale_search,
 )
@@ -137,20 +137,24 @@ def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "
     if group_size:
         return _quantize_groups(w, dtype, method, ssz_iters, hessian, tokens, gptq, hessian_index,
                                 group_size)
-    if method == "minmax":
-        _, scale = quantize_symmetric(w, dtype, PerChannel())
-    elif method == "ssz":
-        scale = ssz_scale_search(w, dtype, iters=ssz_iters)
-    elif method == "grid":
-        scale = grid_scale_search(w, dtype)
-    elif method == "gptq":
-        scale = gptq_scale(w, hessian, dtype, hessian_index)
-    else:
-        raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
-    scale = _representable(scale, scale_dtype)
+    scale = _representable(_row_scales(w, dtype, method, ssz_iters, hessian, hessian_index), scale_dtype)
     if method == "gptq":
         return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale
     return quantize_with_scale(w, scale, dtype), scale
+
+
+def _row_scales(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int, hessian: torch.Tensor | None = None,
+                hessian_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-row scales [..., rows, 1] `method` chooses (gptq: the diag(H)-weighted grid)."""
+    if method == "minmax":
+        return minmax_scale(w, dtype, PerChannel())
+    if method == "ssz":
+        return ssz_scale_search(w, dtype, iters=ssz_iters)
+    if method == "grid":
+        return grid_scale_search(w, dtype)
+    if method == "gptq":
+        return gptq_scale(w, hessian, dtype, hessian_index)
+    raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
 
 
 def _quantize_mx(w: torch.Tensor, fmt: MXFormat, method: str, hessian: torch.Tensor | None, tokens: Any,
@@ -189,7 +193,7 @@ def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: i
         imp = diag.reshape(*diag.shape[:-1], groups, group_size)  # [..., G, g]
         scale = grid_scale_search(by_group, dtype, importance=imp).transpose(-3, -2)  # [..., out, G, 1]
     else:
-        _, scale = quantize_weight(rows, dtype, method, ssz_iters)
+        scale = _row_scales(rows, dtype, method, ssz_iters)
     scale = _representable(scale.reshape(*lead, out_f, groups), GROUP_SCALE_DTYPE)
     per_column = scale.repeat_interleave(group_size, dim=-1)
     if method == "gptq":
