@@ -49,7 +49,7 @@ from msmodelslim.quant.functional import fake_quant_per_token, minmax_scale  # n
 from msmodelslim.quant.gptq import gptq_quantize  # noqa: E402
 from msmodelslim.quant.granularity import PerChannel, int4, int8  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
-from msmodelslim.quant.mx import MXFP8, decode_weight, fake_quant_mx, mx_format  # noqa: E402
+from msmodelslim.quant.mx import MXFP8, MXFormat, decode_weight, fake_quant_mx, mx_format  # noqa: E402
 
 GROUPS = (32, 64)  # per-group W4A8_DYNAMIC (issue 25): `<method>_g<size>`; the mini's experts have 192 inputs
 METHODS = ("minmax", "ssz", "grid", "gptq", "gptq_minmax", *(f"{m}_g{g}" for g in GROUPS for m in ("ssz", "gptq")))
@@ -121,9 +121,11 @@ def quantized(w: torch.Tensor, method: str, h: torch.Tensor, tokens: int) -> tor
     return q.float() * (scale.repeat_interleave(int(group), dim=1) if group else scale)
 
 
-def output_error(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, a_bits: Any) -> float:
+def output_error(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, act: Any) -> float:
+    """||Qa(X) Wq^T - X W^T||^2 / ||X W^T||^2; Qa per token (int bits) or per block of 32 (an MX format)."""
     ref = x.double() @ w.double().t()
-    got = fake_quant_per_token(x.double(), a_bits) @ wq.double().t()
+    xq = fake_quant_mx(x, act).double() if isinstance(act, MXFormat) else fake_quant_per_token(x.double(), act)
+    got = xq @ wq.double().t()
     return float((got - ref).square().sum() / ref.square().sum().clamp_min(1e-30))
 
 
@@ -188,10 +190,7 @@ def main() -> None:
         for method in MX_METHODS:
             fmt, _, how = method.partition("_")
             stored, scale = quantize_weight(w, mx_format(fmt), how, hessian=h.float(), tokens=x_cal.shape[0])
-            wq = decode_weight(stored, scale, mx_format(fmt))
-            ref = x_test.double() @ w.double().t()
-            got = fake_quant_mx(x_test, MXFP8).double() @ wq.double().t()
-            row[method] = float((got - ref).square().sum() / ref.square().sum().clamp_min(1e-30))
+            row[method] = output_error(x_test, w, decode_weight(stored, scale, mx_format(fmt)), MXFP8)
         table[key] = row
         reader = key.endswith((".w2", "q_proj", "kv_a_proj_with_mqa")) or (kind == "mla" and key.endswith("o_proj"))
         if reader:
