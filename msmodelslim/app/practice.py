@@ -57,6 +57,8 @@ def qualifies(metadata: Any, model_type: str, tags: tuple[str, ...]) -> bool:
 def _hardware(metadata: Any, model_type: str) -> str:
     """How a user reaches a practice: `--tag A | B` with the tags that tell its scenarios apart."""
     scenarios = metadata.verified_tags.get(model_type, [])
+    if not scenarios:
+        return "the default hardware"
     common = set.intersection(*(set(s) for s in scenarios)) if len(scenarios) > 1 else set()
     return "--tag " + " | ".join(" ".join(t for t in s if t not in common) for s in scenarios)
 
@@ -114,8 +116,7 @@ def choose_practice(
                            model_type)
         elif tags and not qualifies(practice.metadata, model_type, tags):
             logger.warning("%s is not verified for --tag %s (it is for %s)", path, " ".join(tags),
-                           _hardware(practice.metadata, model_type) if practice.metadata.verified_tags.get(model_type)
-                           else "the default hardware")
+                           _hardware(practice.metadata, model_type))
         return ChosenPractice(path, practice)
     path = find_practice(model_type, quant_type, group, root, tags)
     return ChosenPractice(path, load_practice(path, *registries()))
