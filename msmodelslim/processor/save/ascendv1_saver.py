@@ -452,7 +452,7 @@ class AscendV1Saver(Saver):
                                   "version": FORMAT_VERSION}
         # One value for the model (vLLM-Ascend's W4A8 assumes 256 when the key is absent): the per-group W4A8 group
         # size, 32 for MX, else 0 (per channel). The practice check refused a mix (linear_quant.description_group_size).
-        read = group_sizes - {0} if group_sizes - {0} else group_sizes
+        read = group_sizes - {0}
         if len(read) > 1:
             raise ValueError(f"quantized linears need group sizes {sorted(read)}; the description holds one")
         header["group_size"] = next(iter(read), 0)
