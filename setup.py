@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 # config/, lab_practice/ and lab_calib/ stay at the top level (where msModelSlim users look for them) and ship in
-# the wheel as msmodelslim/resources/<folder>/ (msmodelslim.app.resources.resource_path finds either place).
+# the wheel as msmodelslim/resources/<folder>/ (msmodelslim.core.resources.resource_path finds either place).
 RESOURCES = {
     "config": ["*.ini"],
     "lab_practice": ["*.md", "*/*.yaml", "*/*/*.yaml"],

@@ -22,11 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import MAKE_CHECKPOINT, machine, print_result  # noqa: E402
 from msmodelslim.core.dist import DistContext  # noqa: E402
-from msmodelslim.core.runner.context import UnitContext, observe  # noqa: E402
-from msmodelslim.core.runner.requests import Observe  # noqa: E402
+from msmodelslim.core.requests import Observe  # noqa: E402
 from msmodelslim.model.base import Unit  # noqa: E402
 from msmodelslim.model.kimi_k3 import fa3  # noqa: E402
 from msmodelslim.model.kimi_k3.runtime_patches import PatchHandle  # noqa: E402
+from msmodelslim.pipeline.answers import observe  # noqa: E402
+from msmodelslim.processor.base import UnitContext
 from msmodelslim.quant.attention import AttentionQuantSpec, head_scales, install_quantizers  # noqa: E402
 
 

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 import msmodelslim
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext, observe
-from msmodelslim.core.runner.requests import Observe
+from msmodelslim.processor.base import UnitContext
+from msmodelslim.pipeline.answers import observe
+from msmodelslim.core.requests import Observe
 from msmodelslim.model.base import Unit
 
 LATENT, WIDTH = 3584, 3072

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHARED, machine, print_result  # noqa: E402
 
 from msmodelslim.core.config import build_dataclass  # noqa: E402
-from msmodelslim.core.runner.layer_wise import LayerWiseRunner  # noqa: E402
 from msmodelslim.eval.perplexity import make_windows, tokenize  # noqa: E402
 from msmodelslim.model.registry import resolve_model_type  # noqa: E402
+from msmodelslim.pipeline.layer_wise import LayerWiseRunner  # noqa: E402
 from msmodelslim.processor.base import Processor  # noqa: E402
 from msmodelslim.processor.iter_smooth import SEARCH_ALPHAS, modelled_error, smooth_scale  # noqa: E402
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor  # noqa: E402

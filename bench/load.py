@@ -23,8 +23,8 @@ from common import generated_checkpoint, machine, peak_rss_gb, print_result  # n
 
 def run_mode(model: Path, device: str, prefetch: bool, tokens: int) -> dict:
     from msmodelslim.core.dist import DistContext
-    from msmodelslim.core.runner.layer_wise import LayerWiseRunner
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 
     adapter = KimiK3ModelAdapter(model, trust_remote_code=True, dist=DistContext(device=torch.device(device)))
     largest = 0

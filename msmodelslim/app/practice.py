@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msmodelslim.app.resources import resource_path
 from msmodelslim.core.config import PracticeConfig, load_practice, load_practice_header
+from msmodelslim.core.resources import resource_path
 from msmodelslim.errors import UserError
 from msmodelslim.processor.catalog import registries
 

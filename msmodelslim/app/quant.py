@@ -3,7 +3,7 @@
 The output is built in `<save_path.parent>/.<save_path.name>.partial` and moved to `save_path` with one
 `os.rename` after the service succeeded and the chosen practice was written beside it; on any failure, SIGINT or
 SIGTERM the ranks are stopped and the temporary directory is removed, so a crash never leaves a complete-looking
-output. Once every rank has finished a unit the folder holds the run's resumable state (core/runner/resume.py)
+output. Once every rank has finished a unit the folder holds the run's resumable state (pipeline/resume.py)
 and is kept instead: `--resume` continues it, `--fresh` discards it. A lock file beside it
 (`.<save_path.name>.lock`, removed at the end) keeps a second run off the same `save_path`. Under torchrun each
 process is one rank and rank 0 holds the output (`_quant_torchrun`).
@@ -32,11 +32,11 @@ from msmodelslim.core import torchrun
 from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
-from msmodelslim.core.runner.resume import ResumeState, check_fingerprint, fingerprint
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.registry import ModelEntry, load_registry
+from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint
 from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -185,9 +185,10 @@ def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
 
 
 def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None) -> None:
-    from msmodelslim.core import ascend_check, quant_service
+    from msmodelslim.core import ascend_check
+    from msmodelslim.pipeline import launch
 
-    request = quant_service.QuantRequest(
+    request = launch.QuantRequest(
         model_path=plan.model_path,
         work_dir=work_dir,
         device=plan.device,
@@ -199,7 +200,7 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int
         resume_after=resume_after,
         ascend_check=ascend_check.enabled(),
     )
-    quant_service.run_service(request)
+    launch.run_service(request)
 
 
 def _publish(work_dir: Path, save_path: Path) -> None:
@@ -500,7 +501,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     """`--plan`: every check of a run before compute, in the same order and with the same errors, then what the
     run would do (app/plan.py). Reads headers only and writes nothing."""
     from msmodelslim.app.plan import build_plan
-    from msmodelslim.core.quant_service import prepare_run
+    from msmodelslim.pipeline.launch import prepare_run
 
     checked = _plan(args, TorchrunRank.from_environment())  # under torchrun: the job's rank count
     _check_save_path(checked.model_path, checked.save_path)

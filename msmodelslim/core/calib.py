@@ -41,7 +41,7 @@ def is_short_name(dataset: str) -> bool:
 
 
 def known_datasets() -> list[str]:
-    from msmodelslim.app.resources import resource_path
+    from msmodelslim.core.resources import resource_path
 
     root = resource_path("lab_calib")
     return sorted(p.parent.name for p in root.glob(f"*/{INDEX_NAME}"))
@@ -52,7 +52,7 @@ def resolve_dataset(dataset: str) -> Path:
     if not dataset or not dataset.strip():
         raise CalibError("calibration dataset name is empty")
     if is_short_name(dataset):
-        from msmodelslim.app.resources import resource_path
+        from msmodelslim.core.resources import resource_path
 
         index = resource_path("lab_calib") / dataset / INDEX_NAME
         if not index.is_file():

@@ -90,7 +90,7 @@ class ModelRegistry:
 
 
 def default_config_path() -> Path:
-    from msmodelslim.app.resources import resource_path
+    from msmodelslim.core.resources import resource_path
 
     return resource_path("config") / "config.ini"
 

@@ -5,16 +5,33 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from msmodelslim.core.config import FromFields
+from msmodelslim.core.dist import DistContext
+from msmodelslim.model.base import ModelAdapter, Unit
 
-if TYPE_CHECKING:
-    from msmodelslim.core.runner.context import UnitContext
-    from msmodelslim.model.base import ModelAdapter
+
+@dataclass
+class UnitContext:
+    """What a processor is given for one unit: the unit, its loaded module, the model's adapter and the rank."""
+
+
+    unit: Unit
+    module: nn.Module
+    adapter: ModelAdapter
+    dist: DistContext
+    # Runs this rank's calibration samples through the unit as it is now (no state is kept).
+    run_samples: Callable[[], None]
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
 
 
 @dataclass
@@ -60,7 +77,7 @@ class Processor(ABC):
     @abstractmethod
     def process_unit(self, ctx: UnitContext) -> Any:
         """Transform `ctx.module` in place. A processor that needs calibration statistics, cross-rank reductions
-        or shared heavy work is a generator yielding requests the runner answers (`core/runner/requests.py`)."""
+        or shared heavy work is a generator yielding requests the runner answers (`core/requests.py`)."""
 
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""

@@ -27,11 +27,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from msmodelslim.core.runner.context import UnitContext
-from msmodelslim.core.runner.requests import Observe
+from msmodelslim.core.requests import Observe
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import attention_quant_type
-from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import selected
 from msmodelslim.quant.attention import FA3_BRANCHES, AttentionQuantSpec, head_scales, install_quantizers
 

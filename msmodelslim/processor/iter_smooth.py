@@ -33,50 +33,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from msmodelslim.core.runner.context import UnitContext
-from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
-from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.model.maps import SUBGRAPH_TYPES, WHOLE, Span, Subgraph, SubgraphType
+from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import selected
-from msmodelslim.processor.spans import WHOLE, Span
 from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
 from msmodelslim.quant.granularity import PerChannel
 from msmodelslim.quant.modules import get_scheme
 
 logger = logging.getLogger(__name__)
-
-UP_DOWN = "up-down"  # up_proj (w3) rows -> down_proj (w2) columns
-OV = "ov"  # MLA kv_b_proj V rows -> o_proj columns
-LINEAR_LINEAR = "linear-linear"  # low-rank pairs (f_a -> f_b, g_a -> g_b), latent down -> experts, experts -> latent up
-GATED_NORM_LINEAR = "gated-norm-linear"  # KDA o_norm (gated RMSNorm, weight shared by heads) -> o_proj
-NORM_LINEAR = "norm-linear"  # RMSNorm -> every linear reading it (and the router, compensated)
-SUBGRAPH_TYPES = (UP_DOWN, OV, LINEAR_LINEAR, GATED_NORM_LINEAR, NORM_LINEAR)  # processing order
-
-SubgraphType = Literal["up-down", "ov", "linear-linear", "gated-norm-linear", "norm-linear"]
-
-
-@dataclass(frozen=True)
-class Subgraph:
-    """Producers of one activation X and the linears reading it (live names inside the unit)."""
-
-    type: str
-    sources: tuple[str, ...]  # producers: a norm (weight /= s) or linears (output rows and bias /= s)
-    targets: tuple[str, ...]  # quantized readers: max|X| from their inputs, max|W| from their columns; W *= s
-    float_targets: tuple[str, ...] = ()  # readers that stay float (router): only compensated, W *= s
-    source_rows: Span = WHOLE  # a linear producer's rows that make X (ov: each head's V rows of kv_b_proj)
-    heads: int = 1  # X is `heads` equal blocks sharing one scale (o_norm's weight [V] is shared by the heads)
-    across_ranks: bool = False  # targets are routed experts spread over EP ranks: statistics max-reduced over ranks
-
-    def __post_init__(self) -> None:
-        if self.type not in SUBGRAPH_TYPES:
-            raise ValueError(f"Subgraph {self.sources} -> {self.targets}: unknown type {self.type!r}")
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The equations

@@ -48,11 +48,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from msmodelslim.core.runner.context import UnitContext
-from msmodelslim.core.runner.requests import Job, Jobs, Observe
+from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
-from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor
+from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import matching, selected
 from msmodelslim.quant.gptq import GPTQOptions
 from msmodelslim.quant.granularity import int_dtype

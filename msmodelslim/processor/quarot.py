@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -29,65 +29,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from msmodelslim.core.placement import host_section
-from msmodelslim.core.runner.context import UnitContext
 from msmodelslim.errors import UserError
+from msmodelslim.model.maps import HIDDEN, KV_LORA, LATENT, MLA_V, WHOLE, QuaRotPlan, Span
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
-from msmodelslim.processor.base import Extras, Processor, ProcessorConfig, register_processor
-from msmodelslim.processor.spans import WHOLE, Span
+from msmodelslim.processor.base import Extras, Processor, ProcessorConfig, UnitContext, register_processor
 
 logger = logging.getLogger(__name__)
-
-HIDDEN = "hidden"  # the residual stream
-LATENT = "latent"  # latent MoE: routed_expert_down_proj outputs / expert inputs, expert outputs / up_proj inputs
-KV_LORA = "kv_lora"  # MLA compressed kv (kv_a non-rope rows -> kv_a_layernorm -> kv_b_proj inputs)
-MLA_V = "mla_v"  # MLA per-head values (kv_b_proj V rows -> attention -> o_proj inputs), one Q of v_head_dim
-SPACES = (HIDDEN, LATENT, KV_LORA, MLA_V)
 
 ONLINE_BUFFER = "online_rotation"
 GLOBAL_ROTATION_FILE = "optional/quarot.safetensors"  # msModelSlim's name for the published residual Q
 _ROW_CHUNK = 8192  # rows rotated at once (embedding tables and lm_head have ~1e5 rows)
 ONLINE_CONVENTION = "x_rot = x @ online_rotation.T (F.linear(x, online_rotation)); weight stored as W @ online_rotation.T"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The plan (data the adapter provides)
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FuseNorm:
-    """W <- W diag(gamma) for every reader, then gamma <- 1 (needed before `space` is rotated). `span` picks the
-    reader columns the norm feeds (MTP's eh_proj reads [enorm(e) | hnorm(h)])."""
-
-    norm: str
-    readers: tuple[str, ...]
-    space: str = HIDDEN
-    span: Span = WHOLE
-
-
-@dataclass(frozen=True)
-class Rotate:
-    """side "in": W <- W Q on the last weight dim (readers, embedding tables);
-    side "out": W <- Q^T W, b <- Q^T b on the first weight dim (writers). `span` picks the rotated channels
-    (each block of the span takes the same Q of the block's width)."""
-
-    name: str
-    side: str
-    space: str = HIDDEN
-    span: Span = WHOLE
-
-    def __post_init__(self) -> None:
-        if self.side not in ("in", "out"):
-            raise ValueError(f"Rotate({self.name!r}): side must be 'in' or 'out', got {self.side!r}")
-        if self.space not in SPACES:
-            raise ValueError(f"Rotate({self.name!r}): unknown space {self.space!r} (known: {SPACES})")
-
-
-@dataclass
-class QuaRotPlan:
-    fuse: list[FuseNorm] = field(default_factory=list)
-    rotate: list[Rotate] = field(default_factory=list)
-    online: list[str] = field(default_factory=list)  # down projections whose input takes an online Hadamard
-    # Why the residual stream cannot be rotated exactly through this unit (None: it can)
-    hidden_blocker: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Shared fixtures of the app/CLI tests (imported by test/app/conftest.py and test/cli/conftest.py): a fake weight directory, dummy registries and a stub quant service.
 
-The stub stands in for core.quant_service.run_service (the lead's real service is exercised end to end in
+The stub stands in for pipeline.launch.run_service (the lead's real service is exercised end to end in
 test_quant_end_to_end.py); it records the request and writes a minimal description file.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from msmodelslim.app import practice as practice_mod
-from msmodelslim.core import quant_service
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.model.registry import ModelEntry
+from msmodelslim.pipeline import launch
 
 PRACTICE = """\
 apiversion: {apiversion}
@@ -75,7 +75,7 @@ def stub_service(monkeypatch):
                                                                                     "x.weight": "W4A8_DYNAMIC"}))
         (request.work_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(quant_service, "run_service", run_service)
+    monkeypatch.setattr(launch, "run_service", run_service)
     return calls
 
 

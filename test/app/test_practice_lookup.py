@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from msmodelslim.app.practice import choose_practice, find_practice
-from msmodelslim.app.resources import resource_path
+from msmodelslim.core.resources import resource_path
 from msmodelslim.errors import UserError
 from msmodelslim.processor.catalog import registries
 

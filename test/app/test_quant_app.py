@@ -11,9 +11,9 @@ import pytest
 from quant_fixtures import PRACTICE, DummyAdapter
 
 from msmodelslim.app.quant import QuantArgs, quant
-from msmodelslim.core import quant_service
 from msmodelslim.core.device import DeviceSpec
 from msmodelslim.errors import UserError
+from msmodelslim.pipeline import launch
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -49,7 +49,7 @@ def test_success_publishes_output_with_the_chosen_practice(tmp_path, model_dir, 
 
 def test_lookup_by_quant_type_uses_lab_practice(tmp_path, model_dir, monkeypatch, stub_service):
     from msmodelslim.app import practice as practice_mod
-    from msmodelslim.app.resources import resource_path
+    from msmodelslim.core.resources import resource_path
 
     # The shipped YAML needs the real processors; only the lookup is under test here, so parse a stub instead.
     stub = tmp_path / "stub.yaml"
@@ -184,7 +184,7 @@ def test_service_failure_removes_the_temporary_directory(tmp_path, model_dir, pr
         (request.work_dir / "quant_model_description.json").write_text("{}")  # looks complete, but failed
         raise exc
 
-    monkeypatch.setattr(quant_service, "run_service", failing)
+    monkeypatch.setattr(launch, "run_service", failing)
     save = tmp_path / "out"
     with pytest.raises(type(exc)):
         quant(args(model_dir, save, config_path=str(practice_file), quant_type=None))
@@ -195,7 +195,7 @@ def test_layer_wise_runner_on_several_devices_is_refused_before_the_service(tmp_
                                                                             stub_service, monkeypatch):
     practice = tmp_path / "layer_wise.yaml"
     practice.write_text(practice_file.read_text().replace("spec:\n", "spec:\n  runner: layer_wise\n", 1))
-    monkeypatch.setattr(quant_service, "run_service", lambda request: pytest.fail("service must not run"))
+    monkeypatch.setattr(launch, "run_service", lambda request: pytest.fail("service must not run"))
     with pytest.raises(UserError, match="layer_wise runs on one device"):
         quant(args(model_dir, tmp_path / "out", config_path=str(practice), quant_type=None, device="cpu:0,1"))
     assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
@@ -203,7 +203,7 @@ def test_layer_wise_runner_on_several_devices_is_refused_before_the_service(tmp_
 
 def test_service_without_description_is_not_published(tmp_path, model_dir, practice_file, stub_service,
                                                        monkeypatch):
-    monkeypatch.setattr(quant_service, "run_service", lambda request: None)
+    monkeypatch.setattr(launch, "run_service", lambda request: None)
     with pytest.raises(RuntimeError, match="without writing quant_model_description.json"):
         quant(args(model_dir, tmp_path / "out", config_path=str(practice_file), quant_type=None))
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from msmodelslim.app.resources import resource_path
 from msmodelslim.cli.main import main
+from msmodelslim.core.resources import resource_path
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 

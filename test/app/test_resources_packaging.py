@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from msmodelslim.app.resources import RESOURCE_KINDS, resource_path
+from msmodelslim.core.resources import RESOURCE_KINDS, resource_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_wheel_ships_every_resource_file_and_resolves_them(tmp_path):
     assert "msmodelslim/resources/config/config.ini" in names
     assert sum(n.endswith(".png") for n in names) == 16
     # Installed layout: no setup.py beside the package, so the packaged copies are used.
-    code = ("from msmodelslim.app.resources import resource_path as r;"
+    code = ("from msmodelslim.core.resources import resource_path as r;"
             "from msmodelslim.model.registry import resolve_model_type as m;"
             "print(r('lab_practice')); print(r('lab_calib')); print(m('Kimi-K3').group)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,

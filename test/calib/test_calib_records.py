@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from msmodelslim.app.resources import resource_path
 from msmodelslim.core.calib import CalibError, CalibRecord, load_calib_records, resolve_dataset
+from msmodelslim.core.resources import resource_path
 
 
 def make_set(tmp_path: Path, lines: list, name: str = "index.jsonl") -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from msmodelslim.cli import main as cli
-from msmodelslim.core import quant_service
+from msmodelslim.pipeline import launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_unexpected_error_keeps_traceback(tmp_path, model_dir, practice_file, st
     def broken(request):
         raise RuntimeError("internal bug")
 
-    monkeypatch.setattr(quant_service, "run_service", broken)
+    monkeypatch.setattr(launch, "run_service", broken)
     with pytest.raises(RuntimeError, match="internal bug"):  # propagates: Python prints it and exits 1
         cli.main(quant_argv(model_dir, tmp_path / "out", "--config_path", str(practice_file)))
 

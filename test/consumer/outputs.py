@@ -21,17 +21,20 @@ MX_PRACTICES = ("w4a16_mxfp4", "w4a8_mxfp", "w4a4c8_mxfp")
 TINY_GROUP = 32
 
 
-def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False) -> dict[tuple[str, str], Path]:
-    """{(model, practice): output directory}; kimi-linear-mini is left out where ../shared lacks it."""
+def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False,
+                  plain_numerics: bool = True) -> dict[tuple[str, str], Path]:
+    """{(model, practice): output directory}; kimi-linear-mini is left out where ../shared lacks it.
+    `every_practice` adds the plain W4A8 practice of both models, and the MX and per-group ones of the mini."""
     made = {}
     for model, model_type, path, stem in (("mini", "Kimi-Linear", MINI, "kimi_linear"),
                                           ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
         if not (path / "config.json").is_file():
             continue
         extra = (*MX_PRACTICES, "w4a8_pergroup") if model == "tiny_k3" or every_practice else ()
-        for quant_type in ("w4a8c8", "w8a8", *extra):
+        for quant_type in ("w4a8c8", "w8a8", *extra, *(("w4a8",) if every_practice else ())):
             practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
-                                         max_samples=2, max_seq_len=64, plain_numerics=True)
+                                         max_samples=2, max_seq_len=64,
+                                         plain_numerics=plain_numerics)
             if quant_type == "w4a8_pergroup":
                 practice.write_text(practice.read_text().replace("group_size: 256", f"group_size: {TINY_GROUP}"))
             out = root / f"{model}_{quant_type}"

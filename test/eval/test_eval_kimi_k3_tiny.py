@@ -28,7 +28,7 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
     except ImportError as exc:
         pytest.skip(f"the Kimi-K3 adapter does not import: {exc}")
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.core.runner.layer_wise import LayerWiseRunner
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
     from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
     from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 

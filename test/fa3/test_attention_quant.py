@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext, observe
-from msmodelslim.core.runner.requests import Observe
-from msmodelslim.core.runner.statistics import recall_window
+from msmodelslim.core.requests import Observe
 from msmodelslim.formats.ascendv1 import attention_quant_type, parse_attention_quant_type
 from msmodelslim.model.base import Unit
+from msmodelslim.pipeline.answers import observe
+from msmodelslim.pipeline.statistics import recall_window
+from msmodelslim.processor.base import UnitContext
 from msmodelslim.quant.attention import (
     AttentionFakeQuant,
     AttentionQuantSpec,

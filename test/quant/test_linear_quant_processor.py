@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext, assign_owners, run_processor
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.processor.base import PROCESSORS
+from msmodelslim.pipeline.answers import assign_owners, run_processor
+from msmodelslim.processor.base import PROCESSORS, UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.quant import QuantLinear
 

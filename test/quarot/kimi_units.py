@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3 import quarot as kimi_quarot
 from msmodelslim.model.kimi_k3 import smooth as kimi_smooth
+from msmodelslim.pipeline.answers import run_processor
+from msmodelslim.processor.base import UnitContext
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN_DIR = REPO / "example" / "multimodal_vlm" / "Kimi-K3"

@@ -14,8 +14,9 @@ import pytest
 import torch
 from kimi_units import STANDIN_DIR, rel_err
 
-from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.errors import UserError
+from msmodelslim.pipeline.answers import run_processor
+from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
 

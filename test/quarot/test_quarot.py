@@ -25,8 +25,9 @@ from kimi_units import (
 from torch.nn import functional as F
 
 from msmodelslim.core.dist import SINGLE
-from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.ops.hadamard import orthogonal_hadamard, random_hadamard
+from msmodelslim.pipeline.answers import run_processor
+from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.quarot import ONLINE_BUFFER, QuaRotConfig, QuaRotProcessor, space_seed
 
 TOL = 2e-5

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from msmodelslim.core.runner.resume import ResumeState
+from msmodelslim.pipeline.resume import ResumeState
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 

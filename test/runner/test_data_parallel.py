@@ -21,8 +21,8 @@ import torch
 
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core import ascend_check
-from msmodelslim.core.quant_service import STATS_ENV, split_samples
-from msmodelslim.core.runner.resume import ResumeState
+from msmodelslim.pipeline.launch import STATS_ENV, split_samples
+from msmodelslim.pipeline.resume import ResumeState
 
 from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
@@ -114,7 +114,7 @@ def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
 
 
 def test_the_rank_that_failed_first_is_reported(tmp_path: Path):
-    from msmodelslim.core.quant_service import _first_failure
+    from msmodelslim.pipeline.launch import _first_failure
 
     assert _first_failure(tmp_path) is None
     (tmp_path / "rank0").write_text('{"time": 20.5, "error": "Connection reset by peer"}')

@@ -24,7 +24,7 @@ from reliability.test_signals import MARKER_ENV, marked_processes
 
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.cli.main import main
-from msmodelslim.core.runner.resume import ResumeState
+from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver
 
 from .dp_helpers import REPO, shrunken_practice

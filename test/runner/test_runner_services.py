@@ -18,10 +18,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.runner.context import UnitContext, observe, run_jobs, run_processor
-from msmodelslim.core.runner.requests import Job, Jobs, Observe
-from msmodelslim.core.runner.statistics import HESSIAN_GRID_BITS, exact_gram
+from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.model.base import Unit
+from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
+from msmodelslim.pipeline.statistics import HESSIAN_GRID_BITS, exact_gram
+from msmodelslim.processor.base import UnitContext
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = Unit("layers.0", "decoder", "model.layers.0.", 0)

@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.runner.context import UnitContext, run_processor
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.pipeline.answers import run_processor
+from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.quant import QuantLinear
 

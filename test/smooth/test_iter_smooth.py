@@ -21,9 +21,11 @@ from kimi_test_models import MINI, kimi_linear_mini, mini_tokens, native_kimi_li
 from kimi_units import ToyAdapter, native_torch_kernels, per_expert_modules, process_units, rel_err, standin_cpu_kernels
 
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.runner.context import UnitContext, observe, run_processor
-from msmodelslim.core.runner.requests import Observe
-from msmodelslim.processor.iter_smooth import SUBGRAPH_TYPES, IterSmoothConfig, IterSmoothProcessor, smooth_scale
+from msmodelslim.core.requests import Observe
+from msmodelslim.model.maps import SUBGRAPH_TYPES
+from msmodelslim.pipeline.answers import observe, run_processor
+from msmodelslim.processor.base import UnitContext
+from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor, smooth_scale
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
 
 TOL = 2e-5

@@ -12,8 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from msmodelslim.model.base import Unit
-from msmodelslim.processor.quarot import KV_LORA, LATENT, MLA_V, FuseNorm, QuaRotPlan, Rotate
-from msmodelslim.processor.spans import Span
+from msmodelslim.model.maps import KV_LORA, LATENT, MLA_V, FuseNorm, QuaRotPlan, Rotate, Span
 
 
 def quarot_plan(unit: Unit, module: nn.Module) -> QuaRotPlan:

@@ -23,15 +23,15 @@ from torch import nn
 
 from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3.quarot import expert_names
-from msmodelslim.processor.iter_smooth import (
+from msmodelslim.model.maps import (
     GATED_NORM_LINEAR,
     LINEAR_LINEAR,
     NORM_LINEAR,
     OV,
     UP_DOWN,
+    Span,
     Subgraph,
 )
-from msmodelslim.processor.spans import Span
 
 
 def smooth_subgraphs(unit: Unit, module: nn.Module) -> list[Subgraph]:

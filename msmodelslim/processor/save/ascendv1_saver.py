@@ -34,7 +34,7 @@ the replicated rest). Rank 0 writes everything it is given; a rank > 0 writes on
 
 Sharding: tensors are buffered on CPU up to `part_file_size` GiB, then written as a shard with a rank-unique
 temporary name and fsynced; the end of a unit closes the shard too (a finished unit is on disk, which a resumable
-run's state relies on: core/runner/resume.py), so a shard holds one unit or a part of one. `finalize` writes a
+run's state relies on: pipeline/resume.py), so a shard holds one unit or a part of one. `finalize` writes a
 per-rank partial JSON, barrier, rank 0 merges in a deterministic order (shards by (rank, part); index and
 description sorted by name), renames shards to their final names, writes the index and description, copies
 config/tokenizer/processor/remote-code files (config.json without `quantization_config`), then a final barrier.

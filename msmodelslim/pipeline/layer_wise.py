@@ -24,9 +24,9 @@ from msmodelslim.core import ascend_check
 from msmodelslim.core.device import bind_device, release_cached_memory
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
-from msmodelslim.core.runner.context import UnitContext, run_processor
-from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.pipeline.answers import UnitContext, run_processor
+from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.processor.base import Extras, Processor
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class LayerWiseRunner:
         # Number of lock-step sample slots; ranks with fewer samples idle through the collectives.
         self.steps = steps
         self.stats = RunStats()
-        self.resume = resume  # where each finished unit's state is kept (core/runner/resume.py), if anywhere
+        self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
         self.resume_after = resume_after  # continue after this unit, from its kept state
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],

@@ -1,7 +1,7 @@
-"""The runner's view of one unit while processors transform it, and the service that answers their requests.
+"""The runner's answers to what processors ask while they transform a unit.
 
 `run_processor(processor, ctx)` drives a processor: a plain `process_unit` just runs; a generator one yields
-requests (`core/runner/requests.py`) that `serve` answers here. This module owns the calibration passes, the hooks
+requests (`core/requests.py`) that `answer` answers here. This module owns the calibration passes, the hooks
 and every collective a processor needs, so processors are transforms and stay rank-agnostic.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,23 +17,9 @@ from torch import nn
 
 from msmodelslim.core.device import synchronize
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.runner.requests import Job, Jobs, Observe, Reduce, Stats
-from msmodelslim.core.runner.statistics import kinds_for
-from msmodelslim.model.base import ModelAdapter, Unit
-
-
-@dataclass
-class UnitContext:
-    unit: Unit
-    module: nn.Module
-    adapter: ModelAdapter
-    dist: DistContext
-    # Runs this rank's calibration samples through the unit as it is now (no state is kept).
-    run_samples: Callable[[], None]
-
-    @property
-    def device(self) -> torch.device:
-        return self.dist.device
+from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.pipeline.statistics import kinds_for
+from msmodelslim.processor.base import UnitContext
 
 
 def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None) -> None:
@@ -51,13 +36,13 @@ def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float]
         except StopIteration:
             return
         start = time.perf_counter()
-        reply = serve(ctx, request)
+        reply = answer(ctx, request)
         if timed is not None:
             synchronize(ctx.device)
             timed(type(request).__name__.lower(), time.perf_counter() - start)
 
 
-def serve(ctx: UnitContext, request: Any) -> Any:
+def answer(ctx: UnitContext, request: Any) -> Any:
     if isinstance(request, Observe):
         return observe(ctx, request)
     if isinstance(request, Reduce):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.runner.requests import Observe, Stats
+from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
 
 HESSIAN_GRID_BITS = 15  # x is rounded to 2^15 steps of its channel range: |grid| <= 2^15

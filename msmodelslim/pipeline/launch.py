@@ -1,8 +1,8 @@
-"""Quantization services: turn a validated request into one (or one per device) layer-wise run.
+"""The launch: one validated request -> one layer-wise run per device (spawned ranks, or the ranks torchrun
+started), with the rendezvous, a watchdog on the main process and the first failing rank's error.
 
-`modelslim_v1` serves text-only models, `multimodal_vlm_modelslim_v1` image+text models; both spread the
-calibration set over every device given (data parallel) and the routed experts over the same ranks (expert
-parallel), so a multi-device run produces the single-device bytes.
+Every rank takes a share of the calibration set (data parallel) and of the routed experts (expert parallel), so a
+multi-device run produces the single-device bytes. What each rank runs is assembled in `pipeline/assembly.py`.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from msmodelslim.core import ascend_check
 from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.runner.layer_wise import LayerWiseRunner
-from msmodelslim.core.runner.resume import ResumeState
 from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
+from msmodelslim.pipeline.assembly import build_entries, prepare_run, split_samples
+from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+from msmodelslim.pipeline.resume import ResumeState
 
 logger = logging.getLogger(__name__)
 
@@ -96,41 +96,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def build_entries(entries: list[Any], *args: Any) -> list[Any]:
-    """The processors (or savers) of practice entries, each built from its config and `args`."""
-    return [entry.cls(entry.config, *args) for entry in entries]
-
-
-def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The calibration samples and the processors, with every check that needs no compute: a plan that matches
-    nothing fails here, before any compute (a run and `--plan` both go through this)."""
-
-    samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
-    processors = build_entries(spec.process, adapter)
-    planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
-    schemes = scheme_names(planned)
-    for processor in processors:
-        processor.preflight(adapter, schemes)
-    check_plan(processors, planned, adapter)
-    return samples, processors
-
-
-def _sample_size(sample: dict[str, Any]) -> int:
-    return sum(v.numel() for v in sample.values() if isinstance(v, torch.Tensor))
-
-
-def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str, Any]]:
-    """This rank's share of the calibration samples.
-
-    Ranks forward their samples in lock-step (the expert-parallel MoE is collective), so each step lasts as long as
-    its largest sample on any rank: samples are dealt round-robin in decreasing size (token ids plus pixels), which
-    gives every rank samples of about the same size at each step. Which rank forwards a sample never changes the
-    output (statistics are max-reduced, each sample is forwarded on its own).
-    """
-    order = sorted(range(len(samples)), key=lambda i: -_sample_size(samples[i]))  # stable: ties keep file order
-    return [samples[i] for i in order[rank::world]]
 
 
 def _init_process_group(backend: str, rank: int, world: int, device: torch.device, meet: Rendezvous) -> None:
