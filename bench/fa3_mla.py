@@ -85,7 +85,7 @@ def main() -> None:
     result["absorbed_vs_own_rel_err"] = float((attn(x).float() - own.float()).norm() / own.float().norm())
 
     points = {f"fa_{b}": (getattr(attn, f"fa_{b}").heads, getattr(attn, f"fa_{b}").ratio) for b in "qkv"}
-    ctx = UnitContext(Unit("layers.0", "decoder", "", 0), attn, type("A", (), {"is_expert": lambda s, n: False})(),
+    ctx = UnitContext(Unit("layers.0", "decoder", "", 0), attn, type("A", (), {"is_rank_local": lambda s, n: False})(),
                       DistContext(device=device), run_samples=lambda: attn(x))
     stats: dict = {}
 

@@ -47,7 +47,7 @@ class Reader(nn.Module):  # a linear's input width, no weight
 
 
 class RankLocal:
-    def is_expert(self, name):
+    def is_rank_local(self, name):
         return True  # rank-local: no reduction
 
 

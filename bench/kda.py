@@ -117,9 +117,9 @@ def peak_mem_child(T: int, B: int, H: int, K: int, V: int, chunk_size: int | Non
 
 def cpu_bench(args) -> dict:
     from fla.ops.kda.naive import naive_recurrent_kda
-    from transformers.models.kimi_linear import modeling_kimi_linear as tf_kimi
+    from transformers.models.kimi_linear import modeling_kimi_linear as transformers_kimi
 
-    tf_fallback = inspect.unwrap(tf_kimi.chunk_kimi_delta_attention)  # the torch path under the fla wrapper
+    transformers_fallback = inspect.unwrap(transformers_kimi.chunk_kimi_delta_attention)  # the torch path under the fla wrapper
     B, H, T, K, V = 1, 8, args.T, 128, 128
     (q, k, v), g, beta, _ = make_inputs(B, H, T, K, V, "cpu", torch.float32)
     res: dict = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "T": T, "K": K, "V": V,
@@ -135,7 +135,7 @@ def cpu_bench(args) -> dict:
             cut = [x[:, :Tf] for x in (q, k, v, g, beta)]
             t_ours_f, _, c_ours_f = timed(lambda: ours(*cut, args.chunk_size), repeats=args.repeats, warmup=1)
         t_fb, (o_fb, s_fb), c_fb = timed(
-            lambda: tf_fallback(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf], output_final_state=True,
+            lambda: transformers_fallback(q[:, :Tf], k[:, :Tf], v[:, :Tf], g[:, :Tf], beta[:, :Tf], output_final_state=True,
                                 use_qk_l2norm_in_kernel=True), repeats=1, warmup=0)
     errs = {
         "out_vs_fla_naive": rel_rms(o, o_naive),

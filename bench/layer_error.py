@@ -160,7 +160,7 @@ def main() -> None:
     half = len(windows) // 2
     wanted = targets([int(i) for i in args.moe_layers.split(",")], args.experts)
     quarot = QuaRotProcessor(build_dataclass(QuaRotConfig, {"seed": 0, "online_down": False, "rotate_latent": False,
-                                                            "rotate_mla": True}), adapter)
+                                                            "rotate_mla": True}))
     capture = Capture(wanted)
     last = max(int(u.split(".")[1]) for u in wanted)
     adapter_units = adapter.units

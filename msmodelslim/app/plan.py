@@ -78,7 +78,7 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
             which = None if cfg is None else entry_index[id(cfg)]
             linears.append(LinearPlan(unit, name, mod.out_features, mod.in_features,
                                       cfg.scheme.name if cfg else FLOAT, which,
-                                      cfg.qconfig.weight.method if cfg else None, bool(adapter.is_expert(name))))
+                                      cfg.qconfig.weight.method if cfg else None, bool(adapter.is_rank_local(name))))
             modules[name] = mod
     quantized = {lp.name: lp for lp in linears if lp.scheme != FLOAT}
 
@@ -121,7 +121,7 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
                     if tensor.is_floating_point() else tensor.numel() * tensor.element_size()
                 floats.append(name)
             compute = tensor.numel() * 2  # bf16 on the device
-            if adapter.is_expert(name):
+            if adapter.is_rank_local(name):
                 experts[-1] += size
                 exp += compute
             else:

@@ -12,7 +12,7 @@ spec:
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
-`spec.process` / `spec.save` become lists of `Entry(type, config, cls)`. Processor and saver entries are built
+`spec.process` / `spec.save` become lists of `PracticeStep(type, config, cls)`. Processor and saver entries are built
 generically from the config dataclass registered under their `type` in the registries `load_practice` is given (the
 application's: `processor.catalog.registries()`): keys are checked against `dataclasses.fields`, values against the
 field type hints (nested dataclasses, lists, tuples, dicts, Literal, Optional), then `.validate()` runs.
@@ -102,19 +102,23 @@ class Metadata:
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One `spec.process` / `spec.save` item: its registry name and its validated config dataclass."""
+class PracticeStep:
+    """One `spec.process` / `spec.save` item: its registry name, its validated config and the registered class."""
 
     type: str  # key of PROCESSORS / SAVERS
     config: Any  # instance of PROCESSORS[type].config_cls (or SAVERS[type].config_cls)
-    cls: type  # the registered class, built with (config, ...) by the service
+    cls: type  # the registered class
+
+    def build(self, *args: Any) -> Any:
+        """The processor (`build()`) or saver (`build(adapter, work_dir, dist)`) this step describes."""
+        return self.cls(self.config, *args)
 
 
 @dataclass
 class Spec:
-    process: list[Entry]  # processors in YAML order
+    process: list[PracticeStep]  # processors in YAML order
     dataset: str
-    save: list[Entry]
+    save: list[PracticeStep]
     runner: Literal["auto", "layer_wise", "dp_layer_wise"] = "auto"
     default_text: str = ""
     max_samples: int | None = None
@@ -351,8 +355,8 @@ class FromFields:
             raise ValueError(str(exc)) from None
 
 
-def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[Entry]:
-    """`[{type: name, ...fields}, ...]` -> Entry(name, registry[name].config_cls built from the fields)."""
+def _build_steps(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[PracticeStep]:
+    """`[{type: name, ...fields}, ...]` -> PracticeStep(name, registry[name].config_cls built from the fields)."""
     if not isinstance(value, list):
         raise SchemaError(path, f"expected a list of {{type: ..., ...}} entries, got {type(value).__name__}")
     if not value:
@@ -371,11 +375,11 @@ def _build_entries(value: Any, path: str, registry: Mapping[str, Any], kind: str
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SchemaError(_join(entry_path, "type"), f"unknown {kind} type {name!r}; expected one of {known}{hint}")
         fields = {k: v for k, v in entry.items() if k != "type"}
-        entries.append(Entry(name, build_dataclass(registry[name].config_cls, fields, entry_path), registry[name]))
+        entries.append(PracticeStep(name, build_dataclass(registry[name].config_cls, fields, entry_path), registry[name]))
     return entries
 
 
-def _check_label_is_kept(label: Label, process: list[Entry], processors: Mapping[str, Any]) -> None:
+def _check_label_is_kept(label: Label, process: list[PracticeStep], processors: Mapping[str, Any]) -> None:
     """A practice must do what its label says: a practice that quantizes nothing is not a w4a8 practice."""
     listed = [processors[e.type] for e in process]
     if (label.w_bit < 16 or label.a_bit < 16) and not any(getattr(p, "quantizes_linears", False) for p in listed):
@@ -422,11 +426,11 @@ def load_practice(path: str | Path, processors: Mapping[str, Any], savers: Mappi
     path = Path(path)
     data = _read_yaml(path)
 
-    def process_entries(value: Any, key_path: str) -> list[Entry]:
-        return _build_entries(value, key_path, processors, "processor")
+    def process_entries(value: Any, key_path: str) -> list[PracticeStep]:
+        return _build_steps(value, key_path, processors, "processor")
 
-    def save_entries(value: Any, key_path: str) -> list[Entry]:
-        return _build_entries(value, key_path, savers, "saver")
+    def save_entries(value: Any, key_path: str) -> list[PracticeStep]:
+        return _build_steps(value, key_path, savers, "saver")
 
     try:
         _check_top_keys(data, ("apiversion", "metadata", "spec"))

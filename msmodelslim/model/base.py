@@ -132,7 +132,7 @@ class ModelAdapter(ABC):
         """Whether the source checkpoint stores linear `name` (a serving name) as MXFP4 (headers only)."""
         return False
 
-    def is_expert(self, live_name: str) -> bool:
+    def is_rank_local(self, live_name: str) -> bool:
         """True for modules owned by one expert-parallel rank (their statistics are not reduced across ranks)."""
         return False
 

@@ -97,7 +97,7 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     stats = Stats()
     with torch.no_grad():
         for k in kinds:  # the same kinds in the same order on every rank: the collectives line up
-            k.finish(modules, ctx.dist, lambda n: not ctx.adapter.is_expert(n), stats)
+            k.finish(modules, ctx.dist, lambda n: not ctx.adapter.is_rank_local(n), stats)
     return stats
 
 

@@ -11,17 +11,12 @@ from msmodelslim.model.base import ModelAdapter
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
 
 
-def build_entries(entries: list[Any], *args: Any) -> list[Any]:
-    """The processors (or savers) of practice entries, each built from its config and `args`."""
-    return [entry.cls(entry.config, *args) for entry in entries]
-
-
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
 
     samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
-    processors = build_entries(spec.process, adapter)
+    processors = [step.build() for step in spec.process]
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
     schemes = scheme_names(planned)
     for processor in processors:

@@ -35,7 +35,7 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.errors import RankLost, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.pipeline.assembly import build_entries, prepare_run, split_samples
+from msmodelslim.pipeline.assembly import prepare_run, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 from msmodelslim.pipeline.resume import ResumeState
 
@@ -185,7 +185,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         samples, processors = prepare_run(adapter, records, spec)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
-        savers = build_entries(spec.save, adapter, request.work_dir, dist)
+        savers = [step.build(adapter, request.work_dir, dist) for step in spec.save]
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"

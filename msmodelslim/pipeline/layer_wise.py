@@ -27,7 +27,7 @@ from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
 from msmodelslim.pipeline.resume import ResumeState
-from msmodelslim.processor.base import Extras, Processor
+from msmodelslim.processor.base import OutputExtras, Processor
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class LayerWiseRunner:
                 pool.shutdown(wait=True, cancel_futures=True)
 
         metadata: dict[str, Any] = {}
-        extras = Extras()
+        extras = OutputExtras()
         for processor in self.processors:
             metadata.update(processor.describe())
             extras.update(processor.extras())

@@ -44,14 +44,14 @@ class ProcessorConfig(FromFields):
 
 
 @dataclass
-class Extras:
+class OutputExtras:
     """What processors add to an output besides the weights: entries of the description's top-level `optional`
     block and extra tensor files (path relative to the output -> tensors), written once, by rank 0."""
 
     optional: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
-    def update(self, other: Extras | None) -> None:
+    def update(self, other: OutputExtras | None) -> None:
         if other is not None:
             self.optional.update(other.optional)
             self.files.update(other.files)
@@ -65,9 +65,8 @@ class Processor(ABC):
     quantizes_linears: bool = False
     quantizes_attention: bool = False
 
-    def __init__(self, config: ProcessorConfig, adapter: ModelAdapter) -> None:
+    def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
-        self.adapter = adapter
 
     def preflight(self, adapter: ModelAdapter, schemes: dict[str, str]) -> None:
         """Check the plan against the whole model before any compute (raise UserError for one that cannot work).
@@ -83,7 +82,7 @@ class Processor(ABC):
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
         return {}
 
-    def extras(self) -> Extras | None:
+    def extras(self) -> OutputExtras | None:
         """Files and `optional` description entries the serving side reads (e.g. QuaRot's global rotation)."""
         return None
 

@@ -132,8 +132,8 @@ class IterSmoothConfig(ProcessorConfig):
 class IterSmoothProcessor(Processor):
     config: IterSmoothConfig
 
-    def __init__(self, config: IterSmoothConfig, adapter: Any) -> None:
-        super().__init__(config, adapter)
+    def __init__(self, config: IterSmoothConfig) -> None:
+        super().__init__(config)
         self.counts: dict[str, int] = {}  # subgraphs smoothed per type on this rank (logging and tests)
         self.chosen: dict[str, list[float | None]] = {}  # searched: alpha (None: not smoothed) per type, this rank
         self.skipped_online = 0  # subgraphs skipped because their reader takes an online rotation
@@ -253,7 +253,7 @@ class IterSmoothProcessor(Processor):
             candidates[i] = [ones] + [self._scale(sg, x_max, w_max, a).repeat(sg.heads)
                                       for a in self.config.search_alphas]
             inv = 1.0 / torch.stack(candidates[i])
-            groups[i] = _input_groups(tuple(readers[i]), ctx.adapter.is_expert)
+            groups[i] = _input_groups(tuple(readers[i]), ctx.adapter.is_rank_local)
             for group in groups[i]:
                 if group[0] in token_ranges:
                     raise ValueError(f"unit {ctx.unit.name}: {group[0]} reads two smoothing subgraphs")
@@ -267,7 +267,7 @@ class IterSmoothProcessor(Processor):
             rows = [(modules[t].weight.data, readers[i][t], stats.hessian[group[0]], stats.token_ranges[group[0]])
                     for group in groups[i] for t in group]
             cost = len(candidates[i]) * sum(w.numel() * w.shape[-1] for w, *_ in rows)
-            local = sg.across_ranks or any(ctx.adapter.is_expert(t) for t in readers[i])
+            local = sg.across_ranks or any(ctx.adapter.is_rank_local(t) for t in readers[i])
             jobs.append(Job(str(i), cost, partial(_candidate_errors, rows, candidates[i]),
                             outputs={"errors": ((len(rows), len(candidates[i])), torch.float32)}, local=local))
         results = yield Jobs(jobs)
@@ -312,11 +312,11 @@ def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict
     return {"errors": torch.tensor(errors, dtype=torch.float32).reshape(len(rows), len(candidates))}
 
 
-def _input_groups(readers: tuple[str, ...], is_expert: Any) -> list[tuple[str, ...]]:
+def _input_groups(readers: tuple[str, ...], is_rank_local: Any) -> list[tuple[str, ...]]:
     """Readers of a subgraph that see one input: one routed expert's (w1 and w3), or all the others."""
     groups: dict[str, list[str]] = {}
     for name in readers:
-        groups.setdefault(name.rpartition(".")[0] if is_expert(name) else "", []).append(name)
+        groups.setdefault(name.rpartition(".")[0] if is_rank_local(name) else "", []).append(name)
     return [tuple(g) for g in groups.values()]
 
 

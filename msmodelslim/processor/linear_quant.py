@@ -240,7 +240,7 @@ class LinearQuantProcessor(Processor):
         groups: dict[tuple, list[list[str]]] = {}
         for name, linear in linears.items():
             shape = tuple(linear.weight.shape)
-            local = ctx.adapter.is_expert(name)
+            local = ctx.adapter.is_rank_local(name)
             per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 4)) if gptq else 1
             batches = groups.setdefault((shape, local), [[]])
             if len(batches[-1]) == per_batch:
@@ -347,7 +347,7 @@ def check_served_schemes(planned: dict[str, LinearQuantConfig | None], adapter: 
         if cfg is None:
             continue
         scheme = cfg.scheme
-        if scheme.name == "W4A16_MXFP4" and not adapter.is_expert(name):
+        if scheme.name == "W4A16_MXFP4" and not adapter.is_rank_local(name):
             raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
                             f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
         multiple = _MX_INPUT_MULTIPLE.get(scheme.name, 32) if scheme.is_mx else cfg.qconfig.weight.group_size

@@ -32,7 +32,7 @@ from msmodelslim.core.placement import host_section
 from msmodelslim.errors import UserError
 from msmodelslim.model.maps import HIDDEN, KV_LORA, LATENT, MLA_V, WHOLE, QuaRotPlan, Span
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
-from msmodelslim.processor.base import Extras, Processor, ProcessorConfig, UnitContext, register_processor
+from msmodelslim.processor.base import OutputExtras, Processor, ProcessorConfig, UnitContext, register_processor
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ def space_seed(seed: int, space: str, size: int) -> int:
 class QuaRotProcessor(Processor):
     config: QuaRotConfig
 
-    def __init__(self, config: QuaRotConfig, adapter: Any) -> None:
-        super().__init__(config, adapter)
+    def __init__(self, config: QuaRotConfig) -> None:
+        super().__init__(config)
         self._q: dict[tuple[str, int], torch.Tensor] = {}  # (space, size) -> Q (host, float64)
         self._on_device: dict[tuple[str, int, str], torch.Tensor] = {}
         self._online: dict[int, torch.Tensor] = {}  # size -> T (fp32), shared by every linear of that size
@@ -234,7 +234,7 @@ class QuaRotProcessor(Processor):
             self.online_rotation(size)
         self._on_device.clear()
 
-    def extras(self) -> Extras | None:
+    def extras(self) -> OutputExtras | None:
         """The residual-stream Q as msModelSlim publishes it: `optional.quarot.rotation_map.global_rotation` names
         a file holding tensor `global_rotation` [hidden, hidden] (the stored model reads h_rot = h @ Q); vllm-ascend
         reads it to rotate what a drafter takes from the target (`patch/worker/patch_draft_quarot.py:42-70`)."""
@@ -245,7 +245,7 @@ class QuaRotProcessor(Processor):
             raise RuntimeError(f"quarot: the residual space was rotated at several sizes {sorted(hidden)}")
         with host_section("QuaRot: the published Q"):
             q = self._q[(HIDDEN, hidden[0])].to(torch.float32)
-        return Extras(optional={"quarot": {"rotation_map": {"global_rotation": GLOBAL_ROTATION_FILE}}},
+        return OutputExtras(optional={"quarot": {"rotation_map": {"global_rotation": GLOBAL_ROTATION_FILE}}},
                       files={GLOBAL_ROTATION_FILE: {"global_rotation": q}})
 
     def describe(self) -> dict[str, Any]:

@@ -137,12 +137,11 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
     # scheme of the first shard, and the quantized groups must include the KDA in_proj and the experts
     from msmodelslim.core.config import load_practice
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
-    from msmodelslim.processor.base import PROCESSORS
     from msmodelslim.processor.linear_quant import check_fused_groups, planned_configs, scheme_names
 
     spec = load_practice(resource_path("lab_practice") / "kimi_k3" / f"{practice}.yaml", *registries()).spec
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
-        processors = [PROCESSORS[e.type](e.config, adapter) for e in spec.process]
+        processors = [step.build() for step in spec.process]
         plan = scheme_names(planned_configs(processors, adapter))
         check_fused_groups(plan, adapter)
         groups = dict(adapter.fused_groups())

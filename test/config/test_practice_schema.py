@@ -12,7 +12,7 @@ from typing import Literal
 
 import pytest
 
-from msmodelslim.core.config import Entry, Label, PracticeError, load_practice, load_practice_header
+from msmodelslim.core.config import Label, PracticeError, PracticeStep, load_practice, load_practice_header
 
 
 @dataclass
@@ -98,12 +98,12 @@ def test_valid_practice_builds_typed_configs(tmp_path):
     spec = practice.spec
     assert spec.runner == "dp_layer_wise" and spec.max_samples == 8 and spec.max_seq_len == 4096  # the default cap
     assert [e.type for e in spec.process] == ["quarot", "smooth"]
-    assert spec.process[0] == Entry("quarot", SmoothCfg(), SmoothProc)
+    assert spec.process[0] == PracticeStep("quarot", SmoothCfg(), SmoothProc)
     smooth = spec.process[1].config
     assert smooth == SmoothCfg(alpha=0.9, enable_subgraph_type=["norm-linear", "up-down"],
                                inner=Inner("per_channel", 4), extra={"a": 1})
     assert isinstance(smooth.alpha, float)
-    assert spec.save == [Entry("ascendv1_saver", SaveCfg(4.0), SaveProc)]
+    assert spec.save == [PracticeStep("ascendv1_saver", SaveCfg(4.0), SaveProc)]
     assert practice.path == tmp_path / "p.yaml"
 
 

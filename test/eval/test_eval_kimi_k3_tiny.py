@@ -37,11 +37,11 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
     adapter = KimiK3ModelAdapter(src, trust_remote_code=True)
     try:
         procs = [LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"],
-                                                        exclude=["*shared_experts*"]), adapter),
+                                                        exclude=["*shared_experts*"])),
                  LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*self_attn.*_proj", "*kv_a_proj_with_mqa",
                                                                                 "*shared_experts.*",
                                                                                 "*routed_expert_*_proj"],
-                                                        exclude=["*kv_b_proj", "*.f_b_proj", "*.g_[ab]_proj"]), adapter)]
+                                                        exclude=["*kv_b_proj", "*.f_b_proj", "*.g_[ab]_proj"]))]
         saver = AscendV1Saver(AscendV1SaverConfig(), adapter, out, SINGLE)
         LayerWiseRunner(adapter, procs, [saver], prefetch=False).run([])  # dynamic W4A8/W8A8 needs no samples
     finally:

@@ -118,8 +118,8 @@ def _quantize_and_save(src, out, online: bool):
     """Run the toy model unit by unit: quantize every linear except lm_head (W8A8) with up_proj W4A8; save."""
     adapter = ToyLM(src)
     saver = AscendV1Saver(AscendV1SaverConfig(float_dtype="float32"), adapter, out, SINGLE)
-    procs = [LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*up_proj"]), adapter),
-             LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"]), adapter)]
+    procs = [LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*up_proj"])),
+             LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"]))]
     modules = {}
     for unit in adapter.units():
         module = adapter.load_unit(unit, torch.device("cpu"))

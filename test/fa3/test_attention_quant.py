@@ -70,7 +70,7 @@ def _head_ranges(samples: list[torch.Tensor]):
 
 
 class _NoExperts:
-    def is_expert(self, name: str) -> bool:
+    def is_rank_local(self, name: str) -> bool:
         return False
 
 

@@ -80,4 +80,4 @@ def test_a_plan_that_quantizes_no_attention_is_refused_before_any_compute(names,
 
     adapter = _Attentions(names)
     with pytest.raises(UserError, match=message):
-        FA3QuantProcessor(FA3QuantConfig.build(exclude=exclude), adapter).preflight(adapter, {})
+        FA3QuantProcessor(FA3QuantConfig.build(exclude=exclude)).preflight(adapter, {})

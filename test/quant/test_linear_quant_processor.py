@@ -71,10 +71,8 @@ def test_two_entries_compose_experts_w4a8_rest_w8a8():
     torch.manual_seed(0)
     layer = Layer()
     ctx = _ctx(layer)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
-                         ctx.adapter), ctx)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*self_attn*", "*shared_experts*"]),
-                         ctx.adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"])), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*self_attn*", "*shared_experts*"])), ctx)
     got = _schemes(layer)
     expected = {f"block_sparse_moe.experts.{e}.{w}": "W4A8_DYNAMIC" for e in range(2) for w in ("w1", "w2", "w3")}
     expected.update({"self_attn.q_proj": "W8A8_DYNAMIC", "self_attn.o_proj": "W8A8_DYNAMIC",
@@ -90,10 +88,9 @@ def test_catch_all_include_does_not_touch_head_or_vision_units():
     head = nn.Module()
     head.lm_head = nn.Linear(16, 32)
     ctx = _ctx(head, kind="head", prefix="language_model.")
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8), ctx.adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8)), ctx)
     assert isinstance(head.lm_head, nn.Linear)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["language_model.lm_head"]),
-                         ctx.adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["language_model.lm_head"])), ctx)
     assert isinstance(head.lm_head, QuantLinear)
 
 
@@ -210,8 +207,7 @@ def test_unchanged_experts_keep_the_source_mxfp4_bytes_and_changed_ones_are_quan
     layer.block_sparse_moe.experts[1].w2.weight.data *= 1.5  # a processor changed this one
     ctx = UnitContext(unit=Unit(name="layers.0", kind="decoder", prefix="model.layers.0.", index=0), module=layer,
                       adapter=SourceMXFP4Adapter(stored), dist=SINGLE, run_samples=lambda: None)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig={"act": None, "weight": MXFP4}),
-                                       ctx.adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig={"act": None, "weight": MXFP4})), ctx)
     for name, (packed, scale) in stored.items():
         q = layer.get_submodule(name)
         assert isinstance(q, QuantLinear) and q.scheme.name == "W4A16_MXFP4"

@@ -71,7 +71,7 @@ class ToyAdapter:
             return f"{self.lm_prefix}model.{live_name}"
         return live_name
 
-    def is_expert(self, name: str) -> bool:
+    def is_rank_local(self, name: str) -> bool:
         return _EXPERT.search(name + ".") is not None
 
     def quarot_plan(self, unit: Unit, module: nn.Module):

@@ -74,8 +74,8 @@ def _samples(adapter, image: bool):
 
 def _check(adapter, samples, quarot: QuaRotConfig) -> IterSmoothProcessor:
     ref_logits, ref_mtp = run_units(adapter, samples, [])
-    smooth = IterSmoothProcessor(IterSmoothConfig.build(), adapter)
-    logits, mtp = run_units(adapter, samples, [QuaRotProcessor(quarot, adapter), smooth])
+    smooth = IterSmoothProcessor(IterSmoothConfig.build())
+    logits, mtp = run_units(adapter, samples, [QuaRotProcessor(quarot), smooth])
     assert len(logits) == len(samples) and len(mtp) == len(samples)
     for o, r in zip(logits + mtp, ref_logits + ref_mtp):
         assert rel_err(o, r) < 2e-5
@@ -105,4 +105,4 @@ def test_residual_rotation_of_multimodal_kimi_k3_is_refused_before_compute(tiny_
 
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
         with pytest.raises(UserError, match=r"mm_projector\.post_norm.*rotate_hidden: false"):
-            QuaRotProcessor(QuaRotConfig(), adapter).preflight(adapter, {})
+            QuaRotProcessor(QuaRotConfig()).preflight(adapter, {})

@@ -41,7 +41,7 @@ def logits_of(model, samples):
 def quarot(adapter, **kw) -> QuaRotProcessor:
     cfg = QuaRotConfig(**kw)
     cfg.validate()
-    return QuaRotProcessor(cfg, adapter)
+    return QuaRotProcessor(cfg)
 
 
 @pytest.mark.parametrize("experts", ["ModuleList", "ModuleDict"])

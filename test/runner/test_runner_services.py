@@ -29,7 +29,7 @@ UNIT = Unit("layers.0", "decoder", "model.layers.0.", 0)
 
 
 class NoExperts:
-    def is_expert(self, name: str) -> bool:
+    def is_rank_local(self, name: str) -> bool:
         return False
 
 

@@ -88,7 +88,7 @@ class ToyAdapter(ModelAdapter):
     def checkpoint_name(self, unit, live_name):
         return unit.prefix + live_name
 
-    def is_expert(self, name):
+    def is_rank_local(self, name):
         return _EXPERT_RE.search(name + ".") is not None
 
     def checkpoint_state(self, unit, module):
@@ -123,7 +123,6 @@ def write_source_dir(path: Path) -> Path:
 def quantize(layer: ToyLayer, adapter: ModelAdapter, dist: DistContext = SINGLE) -> ToyLayer:
     """The w4a8 practice: experts W4A8 (shared excluded), then the rest W8A8 (router excluded)."""
     ctx = UnitContext(UNIT, layer, adapter, dist, run_samples=lambda: None)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"]),
-                         adapter), ctx)
-    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"], exclude=["*gate"]), adapter), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"])), ctx)
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8, include=["*"], exclude=["*gate"])), ctx)
     return layer

@@ -39,7 +39,7 @@ def logits_of(model, samples):
 def smoother(adapter, **kw) -> IterSmoothProcessor:
     cfg = IterSmoothConfig.build(**kw)
     cfg.validate()
-    return IterSmoothProcessor(cfg, adapter)
+    return IterSmoothProcessor(cfg)
 
 
 def test_smooth_scale_formula_and_no_information_channels():
@@ -122,7 +122,7 @@ def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():
     with native_torch_kernels(), per_expert_modules(model, model.config):
         ref = logits_of(model, samples)
         adapter = ToyAdapter(model)
-        rot = QuaRotProcessor(QuaRotConfig(online_down=True), adapter)
+        rot = QuaRotProcessor(QuaRotConfig(online_down=True))
         proc = smoother(adapter, alpha=0.5)
         process_units(adapter, [rot, proc], lambda: logits_of(model, samples))
         out = logits_of(model, samples)
@@ -286,8 +286,8 @@ def test_smoothing_a_quantized_linear_is_a_clear_error():
 def test_the_strength_search_refuses_mx_readers_it_cannot_model():
     from msmodelslim.errors import UserError
 
-    processor = IterSmoothProcessor(IterSmoothConfig.build(search=True), None)
+    processor = IterSmoothProcessor(IterSmoothConfig.build(search=True))
     processor.preflight(None, {"a.q_proj": "W8A8_DYNAMIC", "b": "FLOAT"})  # integer readers: modelled
     with pytest.raises(UserError, match="search: false .* W8A8_MXFP8|W8A8_MXFP8.*search: false"):
         processor.preflight(None, {"a.q_proj": "W8A8_MXFP8"})
-    IterSmoothProcessor(IterSmoothConfig.build(search=False), None).preflight(None, {"a.q_proj": "W8A8_MXFP8"})
+    IterSmoothProcessor(IterSmoothConfig.build(search=False)).preflight(None, {"a.q_proj": "W8A8_MXFP8"})

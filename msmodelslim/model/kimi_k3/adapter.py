@@ -258,7 +258,7 @@ class KimiK3ModelAdapter(ModelAdapter):
         alias = f"model.layers.{index}.{block}{rest}"
         return [alias] if alias != name else []  # a text-only checkpoint already names them so
 
-    def is_expert(self, name: str) -> bool:
+    def is_rank_local(self, name: str) -> bool:
         return _EXPERT_RE.search(name + ".") is not None
 
     def source_mxfp4(self, unit: Unit, live_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -90,8 +90,9 @@ FLA_CLASS_METHODS: dict[str, dict[str, Callable]] = {
 
 
 # transformers' native Kimi-Linear kernel entry points -> adapters to our kernels
-def tf_chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                                  output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+def transformers_chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                            output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                            **kwargs):
     """transformers' ``chunk_kimi_delta_attention`` contract ([B, T, H, D] in, ``(o, state | None)`` out).
 
     ``chunk_size`` is transformers' own tiling (always 64); ours picks its chunk per device (the result does not
@@ -102,21 +103,22 @@ def tf_chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, ini
                          cu_seqlens=cu_seqlens)
 
 
-def tf_recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+def transformers_recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state=None,
+                                                output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                                cu_seqlens=None, **kwargs):
     """transformers' ``recurrent_kimi_delta_attention`` contract."""
     return kda.fused_recurrent_kda(query, key, value, g, beta, initial_state=initial_state,
                                    output_final_state=output_final_state,
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
 
 
-def tf_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """transformers' ``causal_conv1d_fn``: hidden_states [B, D, T] (channels first), weight [D, W]."""
     y, _ = short_conv.causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation)
     return y.transpose(1, 2)
 
 
-def tf_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
+def transformers_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     """transformers' ``causal_conv1d_update``: hidden_states [B, D, T], conv_state [B, D, S] updated in place."""
     T, S = hidden_states.shape[-1], conv_state.shape[-1]
     w = weight.reshape(weight.shape[0], weight.shape[-1])
@@ -128,10 +130,10 @@ def tf_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activa
 
 
 TRANSFORMERS_FUNCTIONS: dict[str, Callable] = {
-    "chunk_kimi_delta_attention": tf_chunk_kimi_delta_attention,
-    "recurrent_kimi_delta_attention": tf_recurrent_kimi_delta_attention,
-    "causal_conv1d_fn": tf_causal_conv1d_fn,
-    "causal_conv1d_update": tf_causal_conv1d_update,
+    "chunk_kimi_delta_attention": transformers_chunk_kimi_delta_attention,
+    "recurrent_kimi_delta_attention": transformers_recurrent_kimi_delta_attention,
+    "causal_conv1d_fn": transformers_causal_conv1d_fn,
+    "causal_conv1d_update": transformers_causal_conv1d_update,
 }
 TRANSFORMERS_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
 

@@ -30,7 +30,7 @@ the source stores as MXFP4 or does not have are written as `float_dtype` (bfloat
 
 Data parallelism / EP: `adapter.checkpoint_state(unit, module)` yields what this rank holds (its local experts and
 the replicated rest). Rank 0 writes everything it is given; a rank > 0 writes only names for which
-`adapter.is_expert(name)` is true (applied to CHECKPOINT names). A name written by two ranks is an error.
+`adapter.is_rank_local(name)` is true (applied to CHECKPOINT names). A name written by two ranks is an error.
 
 Sharding: tensors are buffered on CPU up to `part_file_size` GiB, then written as a shard with a rank-unique
 temporary name and fsynced; the end of a unit closes the shard too (a finished unit is on disk, which a resumable
@@ -260,7 +260,7 @@ class AscendV1Saver(Saver):
 
     # --- per unit --------------------------------------------------------------------------------------------
     def _owns(self, name: str) -> bool:
-        return self.dist.is_main or bool(self.adapter.is_expert(name))
+        return self.dist.is_main or bool(self.adapter.is_rank_local(name))
 
     def save_unit(self, unit: Unit, module: nn.Module) -> None:
         for name, obj in self.adapter.checkpoint_state(unit, module):
@@ -432,7 +432,7 @@ class AscendV1Saver(Saver):
             for name in entry["names"]:
                 if name in weight_map:
                     raise ValueError(f"tensor {name!r} was written by rank {owner[name]} and rank {rank}; "
-                                     f"only rank 0 may write replicated tensors (adapter.is_expert({name!r}) "
+                                     f"only rank 0 may write replicated tensors (adapter.is_rank_local({name!r}) "
                                      f"must be false for them)")
                 weight_map[name] = final
                 owner[name] = rank
