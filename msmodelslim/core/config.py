@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import math
 import types
 import typing
@@ -38,6 +39,7 @@ from msmodelslim.errors import UserError
 # A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
 # no layer-wise run finishes on that, and calibration needs far fewer).
 DEFAULT_MAX_SEQ_LEN = 4096
+ApiVersion = Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]  # the text and the multimodal service
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
 
 
@@ -45,121 +47,14 @@ class PracticeError(UserError):
     """A practice YAML that does not match the schema."""
 
 
-class SchemaError(Exception):
-    """Raised inside the builder with the key path; the loader adds the file name."""
+class SchemaError(ValueError):
+    """A value that does not fit the schema, with its key path (relative to the config being built; each enclosing
+    builder adds its own part, the loader the file name)."""
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}" if path else message)
         self.path = path
         self.message = message
-
-
-# --- schema --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Label:
-    """What a practice produces; `quant_type` (the --quant_type it answers) is derived from it."""
-
-    w_bit: int
-    a_bit: int
-    is_sparse: bool = False
-    kv_cache: bool = False
-
-    def validate(self) -> None:
-        if self.w_bit not in (2, 3, 4, 8, 16):
-            raise ValueError(f"w_bit must be one of 2, 3, 4, 8, 16, got {self.w_bit}")
-        if self.a_bit not in (4, 8, 16):
-            raise ValueError(f"a_bit must be one of 4, 8, 16, got {self.a_bit}")
-
-    @property
-    def quant_type(self) -> str:
-        """`w{w_bit}a{a_bit}`, plus `s` for sparse and `c8` for an int8 KV cache (w8a8s, w4a8c8, ...)."""
-        return f"w{self.w_bit}a{self.a_bit}" + ("s" if self.is_sparse else "") + ("c8" if self.kv_cache else "")
-
-
-@dataclass(frozen=True)
-class Metadata:
-    """`verified_tags` (msModelSlim 26.1.0's form): model type -> the scenarios a practice is verified in, each a
-    list of tags (`[vLLM_Ascend, Ascend_950]`); `verified_model_types` names model types without a scenario."""
-
-    config_id: str
-    score: float
-    label: Label
-    verified_model_types: list[str] = field(default_factory=list)
-    verified_tags: dict[str, list[list[str]]] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        if not self.config_id.strip():
-            raise ValueError("config_id must not be empty")
-        if not self.model_types:
-            raise ValueError("verified_model_types or verified_tags must name at least one model type")
-        for model_type, scenarios in self.verified_tags.items():
-            if not scenarios or not all(scenarios):
-                raise ValueError(f"verified_tags.{model_type} must list scenarios, each a non-empty list of tags")
-
-    @property
-    def model_types(self) -> list[str]:
-        return sorted(set(self.verified_model_types) | set(self.verified_tags))
-
-
-@dataclass(frozen=True)
-class PracticeStep:
-    """One `spec.process` / `spec.save` item: its registry name, its validated config and the registered class."""
-
-    type: str  # key of PROCESSORS / SAVERS
-    config: Any  # instance of PROCESSORS[type].config_cls (or SAVERS[type].config_cls)
-    cls: type  # the registered class
-
-    def build(self, *args: Any) -> Any:
-        """The processor (`build()`) or saver (`build(adapter, work_dir, dist)`) this step describes."""
-        return self.cls(self.config, *args)
-
-
-@dataclass
-class Spec:
-    process: list[PracticeStep]  # processors in YAML order
-    dataset: str
-    save: list[PracticeStep]
-    runner: Literal["auto", "layer_wise", "dp_layer_wise"] = "auto"
-    default_text: str = ""
-    max_samples: int | None = None
-    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
-
-    def validate(self) -> None:
-        if not self.dataset.strip():
-            raise ValueError("dataset must not be empty")
-        for name in ("max_samples", "max_seq_len"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-
-
-@dataclass
-class PracticeConfig:
-    apiversion: Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]
-    metadata: Metadata
-    spec: Spec
-    path: Path | None = field(default=None, init=False)  # the file it was read from
-
-    @property
-    def quant_type(self) -> str:
-        return self.metadata.label.quant_type
-
-    @property
-    def is_multimodal(self) -> bool:
-        return self.apiversion == MULTIMODAL_APIVERSION
-
-
-@dataclass(frozen=True)
-class PracticeHeader:
-    """apiversion + metadata only: enough to choose a practice without building its processors."""
-
-    apiversion: str
-    metadata: Metadata
-    path: Path
-
-    @property
-    def quant_type(self) -> str:
-        return self.metadata.label.quant_type
 
 
 # --- YAML reading --------------------------------------------------------------------------------------------
@@ -261,8 +156,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             _convert(key_tp, k, _join(path, str(k))): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()
         }
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return build_dataclass(tp, value, path)
+        return value if isinstance(value, tp) else build_dataclass(tp, value, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
         for member in tp:
             if value == member.value or value == member.name:
                 return member
@@ -286,6 +183,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise SchemaError(path, f"expected a string, got {type(value).__name__} {value!r}")
         return value
     if tp is Path:
+        if isinstance(value, Path):
+            return value
         if not isinstance(value, str):
             raise SchemaError(path, f"expected a path string, got {type(value).__name__} {value!r}")
         return Path(value)
@@ -302,6 +201,13 @@ def _unknown_key_message(key: Any, allowed: list[str]) -> str:
     return message + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
+def _within(path: str, inner: str) -> str:
+    """`inner`, a key path relative to the config at `path`, as a path from the top."""
+    if not inner:
+        return path
+    return f"{path}{inner}" if inner.startswith("[") or not path else f"{path}.{inner}"
+
+
 def build_dataclass(
     cls: type,
     data: Any,
@@ -310,12 +216,14 @@ def build_dataclass(
 ) -> Any:
     """Build dataclass `cls` from a YAML mapping: unknown keys, missing required keys and wrong types are errors.
 
-    `custom` maps a field name to its own converter (value, key path) -> value. `.validate()` runs last; its
-    ValueError/TypeError becomes an error at `path`.
+    A `StrictConfig` converts its fields itself (the same conversions whether it is built here or in code); any
+    other dataclass is converted here. `custom` maps a field name to its own converter (value, key path) -> value.
+    Errors are SchemaErrors with the key path from the top (`path` is where `data` sits).
     """
     if not isinstance(data, Mapping):
         raise SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
+    strict = issubclass(cls, StrictConfig)
+    hints = _field_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
     allowed = [f.name for f in fields]
     for key in data:
@@ -329,30 +237,165 @@ def build_dataclass(
                 raise SchemaError(key_path, "required key is missing")
             continue
         converter = (custom or {}).get(f.name)
-        kwargs[f.name] = converter(data[f.name], key_path) if converter else _convert(hints[f.name], data[f.name], key_path)
+        if converter:
+            kwargs[f.name] = converter(data[f.name], key_path)
+        else:
+            kwargs[f.name] = data[f.name] if strict else _convert(hints[f.name], data[f.name], key_path)
     try:
         obj = cls(**kwargs)
+        if not strict and callable(getattr(obj, "validate", None)):
+            obj.validate()
+    except SchemaError as exc:
+        raise SchemaError(_within(path, exc.path), exc.message) from None
     except (TypeError, ValueError) as exc:
         raise SchemaError(path, str(exc)) from None
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        try:
-            validate()
-        except (TypeError, ValueError) as exc:
-            raise SchemaError(path, str(exc)) from None
     return obj
 
 
-class FromFields:
-    """Base of processor and saver configs: `build(**fields)` checks fields as a practice entry's are checked (one
-    validation path: the schema builder, then `validate`)."""
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class StrictConfig:
+    """Base of every config dataclass: the practice's sections, processor and saver configs and their parts.
+
+    Building one, from a practice (`build_dataclass`) or in code (`QuaRotConfig(seed=1)`, `build(**fields)`), runs
+    the same conversion of each field against its type hint (lists, tuples, dicts, Literal, Optional, nested
+    configs given as mappings), then `validate()`, which holds only the rules between fields. A value that does not
+    fit raises SchemaError (a ValueError) naming the field."""
+
+    def __post_init__(self) -> None:
+        hints = _field_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.init and not f.name.startswith("_"):
+                object.__setattr__(self, f.name, _convert(hints[f.name], getattr(self, f.name), f.name))
+        try:
+            self.validate()
+        except SchemaError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise SchemaError("", str(exc)) from None
+
+    def validate(self) -> None:
+        """Raise ValueError for values that do not go together (each field's own type and range are checked
+        before this runs)."""
 
     @classmethod
     def build(cls, **fields: Any) -> Any:
+        """`cls` from keyword fields, checked as a practice entry's are: unknown keys name the closest field."""
         try:
             return build_dataclass(cls, fields, getattr(cls, "_yaml_type", cls.__name__))
         except SchemaError as exc:
             raise ValueError(str(exc)) from None
+
+
+# --- schema --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Label(StrictConfig):
+    """What a practice produces; `quant_type` (the --quant_type it answers) is derived from it."""
+
+    w_bit: int
+    a_bit: int
+    is_sparse: bool = False
+    kv_cache: bool = False
+
+    def validate(self) -> None:
+        if self.w_bit not in (2, 3, 4, 8, 16):
+            raise ValueError(f"w_bit must be one of 2, 3, 4, 8, 16, got {self.w_bit}")
+        if self.a_bit not in (4, 8, 16):
+            raise ValueError(f"a_bit must be one of 4, 8, 16, got {self.a_bit}")
+
+    @property
+    def quant_type(self) -> str:
+        """`w{w_bit}a{a_bit}`, plus `s` for sparse and `c8` for an int8 KV cache (w8a8s, w4a8c8, ...)."""
+        return f"w{self.w_bit}a{self.a_bit}" + ("s" if self.is_sparse else "") + ("c8" if self.kv_cache else "")
+
+
+@dataclass(frozen=True)
+class Metadata(StrictConfig):
+    """`verified_tags` (msModelSlim 26.1.0's form): model type -> the scenarios a practice is verified in, each a
+    list of tags (`[vLLM_Ascend, Ascend_950]`); `verified_model_types` names model types without a scenario."""
+
+    config_id: str
+    score: float
+    label: Label
+    verified_model_types: list[str] = field(default_factory=list)
+    verified_tags: dict[str, list[list[str]]] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.config_id.strip():
+            raise ValueError("config_id must not be empty")
+        if not self.model_types:
+            raise ValueError("verified_model_types or verified_tags must name at least one model type")
+        for model_type, scenarios in self.verified_tags.items():
+            if not scenarios or not all(scenarios):
+                raise ValueError(f"verified_tags.{model_type} must list scenarios, each a non-empty list of tags")
+
+    @property
+    def model_types(self) -> list[str]:
+        return sorted(set(self.verified_model_types) | set(self.verified_tags))
+
+
+@dataclass(frozen=True)
+class PracticeStep:
+    """One `spec.process` / `spec.save` item: its registry name, its validated config and the registered class."""
+
+    type: str  # key of PROCESSORS / SAVERS
+    config: Any  # instance of PROCESSORS[type].config_cls (or SAVERS[type].config_cls)
+    cls: type  # the registered class
+
+    def build(self, *args: Any) -> Any:
+        """The processor (`build()`) or saver (`build(adapter, work_dir, dist)`) this step describes."""
+        return self.cls(self.config, *args)
+
+
+@dataclass
+class Spec(StrictConfig):
+    process: list[PracticeStep]  # processors in YAML order
+    dataset: str
+    save: list[PracticeStep]
+    runner: Literal["auto", "layer_wise", "dp_layer_wise"] = "auto"
+    default_text: str = ""
+    max_samples: int | None = None
+    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
+
+    def validate(self) -> None:
+        if not self.dataset.strip():
+            raise ValueError("dataset must not be empty")
+        for name in ("max_samples", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass
+class PracticeConfig:
+    apiversion: ApiVersion
+    metadata: Metadata
+    spec: Spec
+    path: Path | None = field(default=None, init=False)  # the file it was read from
+
+    @property
+    def quant_type(self) -> str:
+        return self.metadata.label.quant_type
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.apiversion == MULTIMODAL_APIVERSION
+
+
+@dataclass(frozen=True)
+class PracticeHeader:
+    """apiversion + metadata only: enough to choose a practice without building its processors."""
+
+    apiversion: str
+    metadata: Metadata
+    path: Path
+
+    @property
+    def quant_type(self) -> str:
+        return self.metadata.label.quant_type
 
 
 def _build_steps(value: Any, path: str, registry: Mapping[str, Any], kind: str) -> list[PracticeStep]:
@@ -403,7 +446,7 @@ def _check_top_keys(data: Mapping[str, Any], required: tuple[str, ...]) -> None:
 
 
 def _header(data: Mapping[str, Any]) -> tuple[str, Metadata]:
-    apiversion = _convert(Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"], data["apiversion"], "apiversion")
+    apiversion = _convert(ApiVersion, data["apiversion"], "apiversion")
     metadata = build_dataclass(Metadata, data["metadata"], "metadata")
     return apiversion, metadata
 

@@ -14,6 +14,7 @@ columns `Span(width=v, period=v, count=H)`; kv_a_proj_with_mqa's non-rope rows `
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -102,9 +103,8 @@ OV = "ov"  # MLA kv_b_proj V rows -> o_proj columns
 LINEAR_LINEAR = "linear-linear"  # low-rank pairs (f_a -> f_b, g_a -> g_b), latent down -> experts, experts -> latent up
 GATED_NORM_LINEAR = "gated-norm-linear"  # KDA o_norm (gated RMSNorm, weight shared by heads) -> o_proj
 NORM_LINEAR = "norm-linear"  # RMSNorm -> every linear reading it (and the router, compensated)
-SUBGRAPH_TYPES = (UP_DOWN, OV, LINEAR_LINEAR, GATED_NORM_LINEAR, NORM_LINEAR)  # processing order
-
 SubgraphType = Literal["up-down", "ov", "linear-linear", "gated-norm-linear", "norm-linear"]
+SUBGRAPH_TYPES: tuple[str, ...] = typing.get_args(SubgraphType)  # processing order
 
 
 @dataclass(frozen=True)

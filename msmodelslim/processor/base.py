@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from msmodelslim.core.config import FromFields
+from msmodelslim.core.config import StrictConfig
 from msmodelslim.core.dist import DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
 
@@ -35,7 +35,7 @@ class UnitContext:
 
 
 @dataclass
-class ProcessorConfig(FromFields):
+class ProcessorConfig(StrictConfig):
     """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys, checked by the
     schema builder whether they come from a practice or from `build(**fields)`."""
 

@@ -27,20 +27,28 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+from msmodelslim.core.config import StrictConfig
 from msmodelslim.core.requests import Observe
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import attention_quant_type
 from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import selected
-from msmodelslim.quant.attention import FA3_BRANCHES, AttentionQuantSpec, head_scales, install_quantizers
+from msmodelslim.quant.attention import (
+    FA3_BRANCHES,
+    AttentionQuantSpec,
+    AttnDType,
+    AttnScope,
+    head_scales,
+    install_quantizers,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class FA3QConfig:
-    dtype: Literal["int8", "fp8_e4m3"] = "int8"
-    scope: Literal["per_head", "per_token"] = "per_head"
+class FA3QConfig(StrictConfig):
+    dtype: AttnDType = "int8"
+    scope: AttnScope = "per_head"
     symmetric: bool = True
     method: Literal["minmax"] = "minmax"
 
@@ -55,7 +63,7 @@ class FA3QConfig:
 
 
 @dataclass
-class FA3Details:
+class FA3Details(StrictConfig):
     fa_q: FA3QConfig | None = None
     fa_k: FA3QConfig | None = None
     fa_v: FA3QConfig | None = None

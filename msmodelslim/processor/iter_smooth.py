@@ -120,9 +120,6 @@ class IterSmoothConfig(ProcessorConfig):
             raise ValueError(f"iter_smooth.alpha must be in [0, 1], got {self.alpha!r}")
         if not self.scale_min > 0.0:
             raise ValueError(f"iter_smooth.scale_min must be > 0, got {self.scale_min!r}")
-        bad = [t for t in self.enable_subgraph_type if t not in SUBGRAPH_TYPES]
-        if bad:
-            raise ValueError(f"iter_smooth.enable_subgraph_type: unknown type {bad[0]!r} (known: {', '.join(SUBGRAPH_TYPES)})")
         if not self.search_alphas or not all(0.0 <= a <= 1.0 for a in self.search_alphas):
             raise ValueError(f"iter_smooth.search_alphas must be a non-empty list of values in [0, 1], "
                              f"got {self.search_alphas!r}")

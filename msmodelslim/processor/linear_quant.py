@@ -48,6 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from msmodelslim.core.config import StrictConfig
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
@@ -62,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
-GPTQ_EXT = {"percdamp": "damp", "block_size": "block_size", "act_order": "act_order"}  # msModelSlim's ext keys
-GROUP_KEY = "group_size"  # ext key of per-group weights, as msModelSlim spells it
 GPTQ_BATCH_BYTES = 2 << 30  # float32 Hessians per batched GPTQ of experts (its temporaries are a few times this)
 
 
@@ -72,7 +71,7 @@ def _dtype(name: str) -> Any:
 
 
 @dataclass
-class ActQConfig:
+class ActQConfig(StrictConfig):
     scope: Literal["per_token", "per_block"] = "per_token"  # dynamic: the serving kernel quantizes each token
     dtype: Literal["int8", "int4", "mxfp8", "mxfp4"] = "int8"
     symmetric: Literal[True] = True
@@ -86,13 +85,39 @@ class ActQConfig:
 
 
 @dataclass
-class WeightQConfig:
+class WeightExt(StrictConfig):
+    """`weight.ext`, as msModelSlim spells it: GPTQ's options (method gptq only) and the per-group group size."""
+
+    percdamp: float | None = None  # gptq: the Hessian's damping, a fraction of its mean diagonal (0.01)
+    block_size: int | None = None  # gptq: columns per lazy block update (128)
+    act_order: bool | None = None  # gptq: columns in decreasing order of diag(H) (true)
+    group_size: int | None = None  # per_group: inputs per weight scale, a multiple of 32
+
+    def validate(self) -> None:
+        if self.percdamp is not None and not 0 < self.percdamp < 1:
+            raise ValueError(f"percdamp: must be in (0, 1), got {self.percdamp!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size: must be a positive integer, got {self.block_size!r}")
+        if self.group_size is not None and (self.group_size <= 0 or self.group_size % 32):
+            raise ValueError(f"group_size: must be a positive multiple of 32, got {self.group_size!r}")
+
+    @property
+    def gptq_keys(self) -> list[str]:
+        return [k for k in ("percdamp", "block_size", "act_order") if getattr(self, k) is not None]
+
+    @property
+    def gptq(self) -> GPTQOptions:
+        given = {"damp": self.percdamp, "block_size": self.block_size, "act_order": self.act_order}
+        return GPTQOptions(**{k: v for k, v in given.items() if v is not None})
+
+
+@dataclass
+class WeightQConfig(StrictConfig):
     scope: Literal["per_channel", "per_group", "per_block"] = "per_channel"
     dtype: Literal["int8", "int4", "mxfp8", "mxfp4"] = "int8"
     symmetric: Literal[True] = True
     method: Literal["ssz", "minmax", "grid", "gptq"] = "ssz"
-    # gptq: percdamp (0.01), block_size (128), act_order (true); per_group: group_size
-    ext: dict[str, Any] = field(default_factory=dict)
+    ext: WeightExt = field(default_factory=WeightExt)
 
     def validate(self) -> None:
         mx = self.dtype in MX_FORMATS
@@ -101,38 +126,23 @@ class WeightQConfig:
                              f"per_block, integer ones per_channel or per_group)")
         if mx and self.method not in ("minmax", "grid", "gptq"):
             raise ValueError(f"weight: MX weights take method minmax, grid or gptq, not {self.method!r}")
-        group = self.ext.get(GROUP_KEY)
-        if (self.scope == "per_group") != (group is not None):
+        if (self.scope == "per_group") != (self.ext.group_size is not None):
             raise ValueError("weight: scope per_group needs ext.group_size, and ext.group_size needs scope per_group")
-        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group <= 0
-                                  or group % 32):
-            raise ValueError(f"weight: ext.group_size must be a positive multiple of 32, got {group!r}")
-        gptq_keys = set(self.ext) - {GROUP_KEY}
-        if gptq_keys and self.method != "gptq":
-            raise ValueError(f"ext.{sorted(gptq_keys)[0]} is only read by method gptq, not {self.method!r}")
-        unknown = sorted(gptq_keys - set(GPTQ_EXT))
-        if unknown:
-            raise ValueError(f"ext: unknown key {unknown[0]!r} (expected {', '.join([*GPTQ_EXT, GROUP_KEY])})")
-        opts = self.gptq
-        if not 0 < opts.damp < 1:
-            raise ValueError(f"ext.percdamp must be in (0, 1), got {opts.damp!r}")
-        if isinstance(opts.block_size, bool) or not isinstance(opts.block_size, int) or opts.block_size <= 0:
-            raise ValueError(f"ext.block_size must be a positive integer, got {opts.block_size!r}")
-        if not isinstance(opts.act_order, bool):
-            raise ValueError(f"ext.act_order must be true or false, got {opts.act_order!r}")
+        if self.ext.gptq_keys and self.method != "gptq":
+            raise ValueError(f"ext.{self.ext.gptq_keys[0]} is only read by method gptq, not {self.method!r}")
 
     @property
     def gptq(self) -> GPTQOptions:
-        return GPTQOptions(**{GPTQ_EXT[k]: v for k, v in self.ext.items() if k in GPTQ_EXT})
+        return self.ext.gptq
 
     @property
     def group_size(self) -> int:
         """Inputs per integer weight scale (0: per channel; MX blocks are not groups here)."""
-        return int(self.ext.get(GROUP_KEY, 0))
+        return self.ext.group_size or 0
 
 
 @dataclass
-class QConfig:
+class QConfig(StrictConfig):
     act: ActQConfig | None = field(default_factory=ActQConfig)  # null: weight-only (W4A16_MXFP4)
     weight: WeightQConfig = field(default_factory=WeightQConfig)
 

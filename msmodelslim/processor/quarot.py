@@ -119,17 +119,10 @@ class QuaRotConfig(ProcessorConfig):
     compute_dtype: Literal["float64", "float32"] = "float32"
 
     def validate(self) -> None:
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+        if self.seed < 0:
             raise ValueError(f"quarot.seed must be a non-negative integer, got {self.seed!r}")
-        for key in ("rotate_hidden", "online_down", "rotate_latent", "rotate_mla"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"quarot.{key} must be true or false, got {getattr(self, key)!r}")
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or factor_order(self.block_size) is None
-        ):
+        if self.block_size is not None and factor_order(self.block_size) is None:
             raise ValueError(f"quarot.block_size must be a Hadamard order K * 2^m, got {self.block_size!r}")
-        if self.compute_dtype not in ("float64", "float32"):
-            raise ValueError(f"quarot.compute_dtype must be 'float64' or 'float32', got {self.compute_dtype!r}")
 
 
 def space_seed(seed: int, space: str, size: int) -> int:

@@ -13,6 +13,8 @@ from typing import Literal
 import pytest
 
 from msmodelslim.core.config import Label, PracticeError, PracticeStep, load_practice, load_practice_header
+from msmodelslim.processor.iter_smooth import IterSmoothConfig
+from msmodelslim.processor.linear_quant import LinearQuantConfig, WeightExt, WeightQConfig
 
 
 @dataclass
@@ -260,3 +262,34 @@ def test_the_practice_schema_does_not_reach_up_into_the_processors():
             "print(sorted(m for m in sys.modules if m.startswith('msmodelslim.processor')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- configs built in code: the same conversions and checks as a practice entry's (exact messages) -------------
+def test_a_config_built_in_code_converts_its_fields_as_the_practice_loader_does():
+    config = LinearQuantConfig(qconfig={"weight": {"dtype": "int4", "method": "gptq", "ext": {"percdamp": 0.02}}},
+                               include=("*experts*",))
+    assert config.qconfig.weight.ext == WeightExt(percdamp=0.02)  # the nested mappings became configs
+    assert config.qconfig.weight.gptq.damp == 0.02 and config.qconfig.weight.gptq.block_size == 128
+    assert config.include == ["*experts*"]  # list[str]: a tuple is taken as a list
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: WeightExt(group_size="64"), r"^group_size: expected an integer, got str '64'$"),
+    (lambda: WeightQConfig(method="rtn"), r"^method: 'rtn' is not allowed; expected one of ssz, minmax, grid, gptq$"),
+    (lambda: LinearQuantConfig(qconfig={"weight": {"ext": {"percdamp": 2.0}}}),
+     r"^qconfig\.weight\.ext: percdamp: must be in \(0, 1\)"),
+    (lambda: IterSmoothConfig(enable_subgraph_type=["up-down", "qk"]), r"^enable_subgraph_type\[1\]: 'qk' is not allowed"),
+    (lambda: Label(w_bit="4", a_bit=8), r"^w_bit: expected an integer"),
+])
+def test_a_config_built_in_code_refuses_what_a_practice_would(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_name_lists_are_their_literals():
+    import typing
+
+    from msmodelslim.model.maps import SUBGRAPH_TYPES, SubgraphType
+
+    assert SUBGRAPH_TYPES == typing.get_args(SubgraphType) == ("up-down", "ov", "linear-linear",
+                                                                "gated-norm-linear", "norm-linear")

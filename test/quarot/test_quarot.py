@@ -171,8 +171,9 @@ def test_mla_kv_a_rope_rows_take_only_the_hidden_rotation():
 @pytest.mark.parametrize("field,value", [("seed", -1), ("block_size", 23 * 8), ("online_down", 1),
                                          ("compute_dtype", "float16")])
 def test_config_rejects_bad_values(field, value):
-    with pytest.raises(ValueError, match=f"quarot.{field}"):
-        QuaRotConfig(**{field: value}).validate()
+    """Built in code, a config is checked as a practice's is (types first, then ranges): the error names the field."""
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        QuaRotConfig(**{field: value})
 
 
 def test_quarot_config_parses_from_practice_yaml_schema():

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from msmodelslim.core.config import FromFields
+from msmodelslim.core.config import StrictConfig
 from msmodelslim.core.dist import DistContext
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SaverConfig(FromFields):
+class SaverConfig(StrictConfig):
     """Base of every saver config; subclasses are dataclasses whose fields are the YAML keys (checked by the
     schema builder, from a practice or from `build(**fields)`)."""
 
