@@ -35,6 +35,7 @@ from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
 from msmodelslim.formats.checkpoint import source_identity
+from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint
 from msmodelslim.quant.modules import SCHEMES
@@ -133,8 +134,7 @@ def _check_save_path(model_path: Path, save_path: Path) -> None:
 
 def _check_expert_split(model_path: Path, config: dict[str, Any], device: DeviceSpec) -> None:
     """Expert parallelism splits the routed experts evenly; refuse an uneven split before any process starts."""
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    num_experts = text_config.get("num_experts")
+    num_experts = text_part(config).get("num_experts")
     if device.world_size > 1 and isinstance(num_experts, int) and num_experts > 0 \
             and num_experts % device.world_size:
         raise UserError(

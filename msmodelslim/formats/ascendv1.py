@@ -289,3 +289,30 @@ class AscendV1Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_ROUTED_EXPERT = re.compile(r"(?<!shared_)experts\.\d+\.")
+_MLA_LINEARS = re.compile(r"\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+
+
+def quantize_summary(description: dict[str, str]) -> dict[str, str]:
+    """msModelSlim's config.json summary of a W4A8 mix: routed experts (`moe_quantize`), MLA linears of layers that
+    have `kv_a_proj_with_mqa` (`mla_quantize`; `w8a8` once attention is quantized per head, as msModelSlim's
+    kimi_k2 / deepseek_v3 adapters write it for W4A8C8), every other quantized linear (`quantize`). vllm-ascend
+    picks its MoE communication from `moe_quantize` (`ascend_forward_context.py:335-339`)."""
+    quantized = {n: t for n, t in description.items() if t != FLOAT and n.endswith(".weight")}
+    mla_layers = {n.split(".self_attn.")[0] for n in quantized if n.endswith(".kv_a_proj_with_mqa.weight")}
+    groups: dict[str, set[str]] = {"moe_quantize": set(), "mla_quantize": set(), "quantize": set()}
+    for name, scheme in quantized.items():
+        if _ROUTED_EXPERT.search(name):
+            groups["moe_quantize"].add(scheme)
+        elif _MLA_LINEARS.search(name) and name.split(".self_attn.")[0] in mla_layers:
+            groups["mla_quantize"].add(scheme)
+        else:
+            groups["quantize"].add(scheme)
+    if "W4A8_DYNAMIC" not in groups["moe_quantize"]:
+        return {}  # msModelSlim writes them only for a W4A8 mix, and the engine's defaults fit the rest
+    flags = {key: max(s, key=lambda t: SEVERITY[t]).lower() for key, s in groups.items() if s}
+    if "mla_quantize" in flags and FA_TENSOR in description.values():
+        flags["mla_quantize"] = "w8a8"
+    return flags

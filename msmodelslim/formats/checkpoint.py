@@ -309,8 +309,9 @@ def _check_shards(model_dir: Path, weight_map: dict[str, str], index_path: Path)
                                   f"{index_path.name} but missing from the shard")
 
 
-def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
-    """Open ``model_dir`` lazily: headers and config only; tensors are read by ``get``.
+def open_checkpoint(model_dir: str | os.PathLike[str], config: dict[str, Any] | None = None) -> CheckpointReader:
+    """Open ``model_dir`` lazily: headers and config only; tensors are read by ``get``. ``config``: its config.json
+    when the caller has read it already (otherwise it is read here, if there is one).
 
     Raises:
         CheckpointError: neither ``model.safetensors.index.json`` nor ``model.safetensors`` exists; a malformed
@@ -344,7 +345,8 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointReader:
     else:
         raise CheckpointError(f"{model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
     try:
-        config = read_config(model_dir) if (model_dir / "config.json").is_file() else None
+        if config is None and (model_dir / "config.json").is_file():
+            config = read_config(model_dir)
         scheme = parse_quant_scheme(config, source=str(model_dir / "config.json")) if config is not None else None
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None

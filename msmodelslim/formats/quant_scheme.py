@@ -26,6 +26,7 @@ __all__ = [
     "mxfp4_exponent_bias",
     "parse_quant_scheme",
     "read_config",
+    "text_part",
 ]
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,18 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's part of a config.json: `text_config` of a multimodal model, else the whole mapping."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def find_quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
     """The ``quantization_config`` block: top level, else under ``text_config`` (multimodal models).
 
     ``compression_config`` is accepted as the older compressed-tensors spelling.
     """
-    for holder in (config, config.get("text_config") or {}):
+    for holder in (config, text_part(config)):
         for key in ("quantization_config", "compression_config"):
             block = holder.get(key)
             if block:

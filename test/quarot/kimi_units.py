@@ -1,15 +1,14 @@
 """Test-only driver: Kimi models split into runner units, processors applied unit by unit like the runner does.
 
-`ToyAdapter` answers what processors ask an adapter (units, checkpoint names, expert test, QuaRot plan, smoothing
-subgraphs) for an in-memory model; `process_units` calls `process_unit` on a hand-made UnitContext per unit, in the
-runner's order (vision, embed, layers.0..N-1, head), whose `run_samples` runs the whole model on the calibration
-samples (upstream units already processed, so statistics see what the runner would feed).
+The run's own `KimiLayout` of an in-memory model answers what processors ask an adapter (units, checkpoint names,
+the rank-local test, QuaRot plan, smoothing subgraphs); `process_units` calls `process_unit` on a UnitContext per
+unit, in the runner's order (vision, embed, layers.0..N-1, head, mtp.k), whose `run_samples` runs the whole model
+on the calibration samples (upstream units already processed, so statistics see what the runner would feed).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,75 +18,28 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.model.base import Unit
-from msmodelslim.model.kimi_k3 import quarot as kimi_quarot
-from msmodelslim.model.kimi_k3 import smooth as kimi_smooth
+from msmodelslim.model.kimi_k3.layout import KimiLayout
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN_DIR = REPO / "example" / "multimodal_vlm" / "Kimi-K3"
 SHARED = REPO / ".." / "shared"
-_EXPERT = re.compile(r"(?<!shared_)experts\.\d+\.")
 
 
-class Pieces(nn.Module):
-    def __init__(self, **children: nn.Module) -> None:
-        super().__init__()
-        for k, v in children.items():
-            self.add_module(k, v)
+def unit_modules(layout: KimiLayout) -> list[tuple[Unit, nn.Module]]:
+    """(unit, module) in the runner's order."""
+    return [(unit, layout.unit_module(unit)) for unit in layout.units()]
 
 
-class ToyAdapter:
-    """Units of a KimiLinearForCausalLM (native or stand-in) or a stand-in KimiK3ForConditionalGeneration."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.is_vlm = hasattr(model, "vision_tower")
-        lm = model.language_model if self.is_vlm else model
-        self.lm_prefix = "language_model." if self.is_vlm else ""
-        self.units_modules: list[tuple[Unit, nn.Module]] = []
-        if self.is_vlm:
-            self.units_modules.append((Unit("vision", "vision", ""),
-                                       Pieces(vision_tower=model.vision_tower, mm_projector=model.mm_projector)))
-        p = self.lm_prefix
-        self.units_modules.append((Unit("embed", "embed", f"{p}model.embed_tokens."),
-                                   Pieces(embed_tokens=lm.model.embed_tokens)))
-        for i, layer in enumerate(lm.model.layers):
-            self.units_modules.append((Unit(f"layers.{i}", "decoder", f"{p}model.layers.{i}.", i), layer))
-        res = {n: getattr(lm.model, n) for n in ("output_attn_res_norm", "output_attn_res_proj") if hasattr(lm.model, n)}
-        self.units_modules.append((Unit("head", "head", f"{p}model.norm."),
-                                   Pieces(norm=lm.model.norm, lm_head=lm.lm_head, **res)))
-
-    def units(self) -> list[Unit]:
-        return [u for u, _ in self.units_modules]
-
-    def checkpoint_name(self, unit: Unit, live_name: str) -> str:
-        if unit.kind == "decoder":
-            return unit.prefix + live_name
-        if unit.kind == "head":
-            return (self.lm_prefix + "lm_head" + live_name[len("lm_head"):]) if live_name.startswith("lm_head") \
-                else f"{self.lm_prefix}model.{live_name}"
-        if unit.kind == "embed":
-            return f"{self.lm_prefix}model.{live_name}"
-        return live_name
-
-    def is_rank_local(self, name: str) -> bool:
-        return _EXPERT.search(name + ".") is not None
-
-    def quarot_plan(self, unit: Unit, module: nn.Module):
-        return kimi_quarot.quarot_plan(unit, module)
-
-    def smooth_subgraphs(self, unit: Unit, module: nn.Module):
-        return kimi_smooth.smooth_subgraphs(unit, module)
-
-
-def process_units(adapter: ToyAdapter, processors: list, run_model: Callable[[], None], dist: DistContext = SINGLE,
+def process_units(layout: KimiLayout, processors: list, run_model: Callable[[], None], dist: DistContext = SINGLE,
                   only: str | None = None) -> None:
-    """What the layer-wise runner does for the processors: per unit in order, each processor's process_unit."""
-    for unit, module in adapter.units_modules:
+    """What the layer-wise runner does for the processors: per unit in order, each processor's process_unit, with
+    the run's own layout of the model standing in for the adapter (what processors ask of one, it answers)."""
+    for unit, module in unit_modules(layout):
         if only is not None and unit.name != only:
             continue
-        ctx = UnitContext(unit=unit, module=module, adapter=adapter, dist=dist, run_samples=run_model)
+        ctx = UnitContext(unit=unit, module=module, adapter=layout, dist=dist, run_samples=run_model)
         for proc in processors:
             run_processor(proc, ctx)
 

@@ -96,7 +96,7 @@ def test_residual_rotation_through_attention_residuals_and_mtp_keeps_the_logits(
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
 
     with KimiK3ModelAdapter(text_only_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
-        assert adapter.attn_res and len(adapter.layers) > adapter.num_layers
+        assert adapter.layout.attn_res and len(adapter.layout.layers) > adapter.layout.num_layers
         _check(adapter, _samples(adapter, image=False), QuaRotConfig(online_down=True))
 
 

@@ -15,16 +15,17 @@ import pytest
 import torch
 from kimi_test_models import MINI, kimi_linear_mini, mini_tokens, native_kimi_linear, standin_inputs, standin_vlm
 from kimi_units import (
-    ToyAdapter,
     native_torch_kernels,
     per_expert_modules,
     process_units,
     rel_err,
     standin_cpu_kernels,
+    unit_modules,
 )
 from torch.nn import functional as F
 
 from msmodelslim.core.dist import SINGLE
+from msmodelslim.model.kimi_k3.layout import KimiLayout
 from msmodelslim.ops.hadamard import orthogonal_hadamard, random_hadamard
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
@@ -59,7 +60,7 @@ def test_standin_vlm_logits_unchanged_by_quarot(experts, online_down):
         with ctx:
             ref = logits_of(model, samples)
             embed_before = model.get_input_embeddings().weight.clone()
-            adapter = ToyAdapter(model)
+            adapter = KimiLayout(model)
             proc = quarot(adapter, online_down=online_down)
             process_units(adapter, [proc], lambda: logits_of(model, samples))
             out = logits_of(model, samples)
@@ -76,7 +77,7 @@ def test_native_kimi_linear_logits_unchanged_by_quarot():
     samples = [{"input_ids": torch.randint(3, 256, (2, 37), generator=torch.Generator().manual_seed(1))}]
     with native_torch_kernels(), per_expert_modules(model, model.config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         proc = quarot(adapter, online_down=True, seed=5)
         process_units(adapter, [proc], lambda: logits_of(model, samples))
         out = logits_of(model, samples)
@@ -93,7 +94,7 @@ def test_kimi_linear_mini_logits_unchanged_by_quarot(tmp_path):
     samples = [{"input_ids": mini_tokens(128, offset=1000)}]
     with native_torch_kernels(), per_expert_modules(model, model.config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         process_units(adapter, [quarot(adapter, online_down=True)], lambda: logits_of(model, samples))
         out = logits_of(model, samples)
     assert rel_err(out[0], ref[0]) < TOL
@@ -120,8 +121,8 @@ def test_online_rotation_convention_matches_quant_linear():
 
 
 def _moe_layer_unit(model):
-    adapter = ToyAdapter(model)
-    unit, layer = next((u, m) for u, m in adapter.units_modules if u.name == "layers.1")
+    adapter = KimiLayout(model)
+    unit, layer = next((u, m) for u, m in unit_modules(adapter) if u.name == "layers.1")
     return adapter, unit, layer
 
 
@@ -151,8 +152,8 @@ def test_latent_rotation_is_identical_on_every_expert_parallel_shard():
 def test_mla_kv_a_rope_rows_take_only_the_hidden_rotation():
     """kv_a_proj_with_mqa: rope rows = W_rope Q_hidden; non-rope rows = Q_kv^T W_nope Q_hidden (float64, 1e-5)."""
     model, _ = standin_vlm()
-    adapter = ToyAdapter(model)
-    unit, layer = next((u, m) for u, m in adapter.units_modules if u.name == "layers.3")
+    adapter = KimiLayout(model)
+    unit, layer = next((u, m) for u, m in unit_modules(adapter) if u.name == "layers.3")
     attn = layer.self_attn
     assert hasattr(attn, "kv_a_proj_with_mqa")
     gamma = layer.input_layernorm.weight.detach().double().clone()

@@ -325,3 +325,8 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                                                        r"pixels, above the 89 M pixel limit"),
     "save_parent_is_a_file": (save_parent_is_a_file, r"--save_path .*plain_file/out: cannot create .*plain_file"),
 }
+# Found by the checker (opening the checkpoint and its header walk) before any tensor is read: test_checker.py.
+CHECKER_FAULTS = ("missing_shard", "truncated_shard", "corrupt_header", "index_points_outside",
+                  "index_names_missing_tensor", "missing_tensor", "missing_mxfp4_scale",
+                  "packed_width_not_multiple_of_32", "wrong_dtype", "wrong_shape", "extra_tensor",
+                  "expert_out_of_range", "unknown_quant_method")

@@ -18,7 +18,7 @@ import pytest
 
 from msmodelslim.cli.main import main
 
-from .faults import FAULTS
+from .faults import CHECKER_FAULTS, FAULTS
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 
@@ -37,17 +37,12 @@ def quant_args(model: Path, save: Path, extra: list[str]) -> list[str]:
     return args + extra
 
 
-@pytest.fixture
-def broken_copy(tiny_k3_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """(a writable copy of the checkpoint, a workspace that is also the parent of --save_path)."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_k3_checkpoint, model)
-    workspace = tmp_path / "work"
-    workspace.mkdir()
-    return model, workspace
+# The faults the checker finds from headers are unit tests of it (test_checker.py); two of them stay here, to show
+# the command line's one-line rendering of a checkpoint fault found at open and at the header walk.
+CLI_CASES = sorted(set(FAULTS) - set(CHECKER_FAULTS) | {"missing_shard", "missing_tensor"})
 
 
-@pytest.mark.parametrize("case", sorted(FAULTS))
+@pytest.mark.parametrize("case", CLI_CASES)
 def test_fault_is_one_error_line_exit_2_and_leaves_nothing(case, broken_copy, capsys):
     model, workspace = broken_copy
     fault, expected = FAULTS[case]

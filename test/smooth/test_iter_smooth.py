@@ -18,10 +18,18 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from kimi_test_models import MINI, kimi_linear_mini, mini_tokens, native_kimi_linear, standin_inputs, standin_vlm
-from kimi_units import ToyAdapter, native_torch_kernels, per_expert_modules, process_units, rel_err, standin_cpu_kernels
+from kimi_units import (
+    native_torch_kernels,
+    per_expert_modules,
+    process_units,
+    rel_err,
+    standin_cpu_kernels,
+    unit_modules,
+)
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe
+from msmodelslim.model.kimi_k3.layout import KimiLayout
 from msmodelslim.model.maps import SUBGRAPH_TYPES
 from msmodelslim.pipeline.answers import observe, run_processor
 from msmodelslim.processor.base import UnitContext
@@ -57,7 +65,7 @@ def test_standin_vlm_logits_unchanged_by_smoothing():
     samples = standin_inputs(model)
     with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         gamma = model.language_model.model.layers[1].post_attention_layernorm.weight.detach().clone()
         proc = smoother(adapter)
         process_units(adapter, [proc], lambda: logits_of(model, samples))
@@ -72,7 +80,7 @@ def test_standin_vlm_logits_unchanged_by_smoothing():
 
 def _all_w4a8(adapter) -> dict[str, str]:
     """A linear_quant plan giving every linear of the model W4A8 (what the search reads the readers' bits from)."""
-    return {adapter.checkpoint_name(unit, name): "W4A8_DYNAMIC" for unit, module in adapter.units_modules
+    return {adapter.checkpoint_name(unit, name): "W4A8_DYNAMIC" for unit, module in unit_modules(adapter)
             for name, mod in module.named_modules() if isinstance(mod, torch.nn.Linear)}
 
 
@@ -83,7 +91,7 @@ def test_searched_smoothing_keeps_the_logits_and_records_its_choices():
     samples = standin_inputs(model)
     with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         proc = smoother(adapter, search=True)
         proc.preflight(adapter, _all_w4a8(adapter))
         process_units(adapter, [proc], lambda: logits_of(model, samples))
@@ -121,7 +129,7 @@ def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():
     samples = [{"input_ids": torch.randint(3, 256, (2, 37), generator=torch.Generator().manual_seed(1))}]
     with native_torch_kernels(), per_expert_modules(model, model.config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         rot = QuaRotProcessor(QuaRotConfig(online_down=True))
         proc = smoother(adapter, alpha=0.5)
         process_units(adapter, [rot, proc], lambda: logits_of(model, samples))
@@ -137,14 +145,14 @@ def test_kimi_linear_mini_logits_unchanged_by_smoothing(tmp_path):
     samples = [{"input_ids": mini_tokens(128, offset=2000)}]
     with native_torch_kernels(), per_expert_modules(model, model.config):
         ref = logits_of(model, samples)
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         process_units(adapter, [smoother(adapter)], lambda: logits_of(model, samples))
         out = logits_of(model, samples)
     assert rel_err(out[0], ref[0]) < TOL
 
 
 def _layer(adapter, name):
-    return next((u, m) for u, m in adapter.units_modules if u.name == name)
+    return next((u, m) for u, m in unit_modules(adapter) if u.name == name)
 
 
 def test_expert_without_tokens_is_left_untouched():
@@ -157,7 +165,7 @@ def test_expert_without_tokens_is_left_untouched():
             block.gate.weight[5] = 0.0
             block.gate.e_score_correction_bias[5] = -100.0  # expert 5 is never chosen
         before = {w: getattr(block.experts["5"], w).weight.detach().clone() for w in ("w2", "w3")}
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         unit, layer = _layer(adapter, "layers.1")
         run_processor(smoother(adapter, enable_subgraph_type=["up-down"]),
                       UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples)))
@@ -171,7 +179,7 @@ def test_gated_norm_scale_is_shared_by_heads():
     model, pkg = standin_vlm()
     samples = standin_inputs(model)
     with standin_cpu_kernels(pkg.modeling_kimi_k3):
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         unit, layer = _layer(adapter, "layers.0")
         attn = layer.self_attn
         ctx = UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples))
@@ -195,7 +203,7 @@ def _smooth_moe_layer(dist: DistContext, sample_ids: list[int], out: Path) -> No
     model, pkg = standin_vlm()
     samples = [standin_inputs(model)[i] for i in sample_ids]
     with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config, dist):
-        adapter = ToyAdapter(model)
+        adapter = KimiLayout(model)
         calls = []
         reduce = dist.all_reduce_max
 
@@ -242,7 +250,7 @@ def test_expert_parallel_smoothing_equals_one_device(tmp_path):
 
 def test_include_exclude_match_checkpoint_names():
     model, pkg = standin_vlm()
-    adapter = ToyAdapter(model)
+    adapter = KimiLayout(model)
     unit, layer = _layer(adapter, "layers.0")
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     proc = smoother(adapter, exclude=["*.self_attn.*"], enable_subgraph_type=["norm-linear", "up-down"])
@@ -276,7 +284,7 @@ def test_smoothing_a_quantized_linear_is_a_clear_error():
     from msmodelslim.quant.modules import QuantLinear
 
     model, _ = standin_vlm()
-    adapter = ToyAdapter(model)
+    adapter = KimiLayout(model)
     unit, layer = _layer(adapter, "layers.0")
     layer.mlp.down_proj = QuantLinear.from_linear(layer.mlp.down_proj, "W8A8_DYNAMIC", weight_method="minmax")
     with pytest.raises(ValueError, match="mlp.down_proj has no float weight"):
