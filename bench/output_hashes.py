@@ -13,7 +13,6 @@ Two sets, each on the tiny Kimi-K3 (seed 0) and on kimi-linear-mini:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -24,15 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, generated_checkpoint, machine, print_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "test"))
-from consumer.outputs import build_outputs  # noqa: E402
+from consumer.outputs import build_outputs, file_hashes  # noqa: E402
 
 RECORD = ROOT / "test" / "app" / "output_hashes.json"
-
-
-def file_hashes(out: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file of an output directory."""
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def output_hashes(root: Path, tiny_k3: Path, plain_numerics: bool) -> dict[str, dict[str, str]]:

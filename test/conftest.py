@@ -1,13 +1,16 @@
-"""Fixtures shared by the whole suite: the one generated tiny Kimi-K3 checkpoint of a session; the `slow` marker.
+"""Fixtures shared by the whole suite: the one generated tiny Kimi-K3 checkpoint of a session, the session's runs
+of kimi-linear-mini; the `slow` marker.
 
 Tiers: `make test` runs everything (CI); `make test-fast` (`pytest -m "not slow"`) leaves out the tests marked
 `slow`: whole quantization runs in subprocesses or on several ranks, and the consumer tests' outputs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a whole quantization run (subprocess, several ranks, the consumer "
                                        "outputs); left out by `make test-fast`")
 MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
+MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +31,31 @@ def tiny_k3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(out)], check=True,
                    capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def mini_runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """kimi-linear-mini (the real trained model) quantized once per session with its shipped W4A8C8 practice cut to
+    4 records of <= 64 tokens: `one` on one CPU process under the Ascend op check (`ascend_ops_checked` device ops),
+    `two` on two (cpu:0,1). Shared by the end-to-end, data-parallel and resume tests. Read-only."""
+    if not (MINI / "config.json").is_file():
+        pytest.skip(f"{MINI} not available")
+    from runner.dp_helpers import shrunken_practice
+
+    from msmodelslim.app.quant import QuantArgs, quant
+    from msmodelslim.core import ascend_check
+    from msmodelslim.pipeline.launch import STATS_ENV
+
+    root = tmp_path_factory.mktemp("mini")
+    practice = shrunken_practice(REPO / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8c8.yaml", root / "p.yaml",
+                                 max_samples=4, max_seq_len=64)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ascend_check.ENV, "1")
+        env.setenv(STATS_ENV, str(root / "stats"))
+        for name, device in (("one", "cpu"), ("two", "cpu:0,1")):
+            quant(QuantArgs(model_path=str(MINI), save_path=str(root / name), device=device,
+                            model_type="Kimi-Linear", config_path=str(practice)))
+            if name == "one":
+                checked = json.loads((root / "stats.rank0").read_text())["ascend_ops_checked"]
+    return SimpleNamespace(model=MINI, practice=practice, one=root / "one", two=root / "two",
+                           ascend_ops_checked=checked)

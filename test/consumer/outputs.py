@@ -7,6 +7,7 @@ mini too with `every_practice` (bench/lookup.py)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from runner.dp_helpers import REPO, shrunken_practice
@@ -42,3 +43,9 @@ def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False,
                             config_path=str(practice), trust_remote_code=True))
             made[(model, quant_type)] = out
     return made
+
+
+def file_hashes(out: Path) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file of an output directory."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}

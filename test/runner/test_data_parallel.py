@@ -28,8 +28,6 @@ from .dp_helpers import REPO, assert_same_bytes, read_output, shrunken_practice
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 
-SHARED = REPO.parent / "shared"
-MINI = SHARED / "models" / "kimi-linear-mini"
 
 
 @pytest.fixture
@@ -76,15 +74,10 @@ def test_w8a8_dp_output_equals_single_device_on_tiny_kimi_k3(tiny_k3: Path, tmp_
     assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
 
 
-@pytest.mark.skipif(not MINI.is_dir(), reason="needs ../shared/models/kimi-linear-mini")
-def test_dp_output_equals_single_device_on_kimi_linear_mini(tmp_path: Path, ascend_checked):
-    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8c8.yaml", tmp_path / "p.yaml",
-                                 max_samples=3, max_seq_len=64)
-    _quant(MINI, tmp_path / "one", "cpu", "Kimi-Linear", practice)
-    assert _quantized_attentions(tmp_path / "one") > 0
-    assert ascend_checked() > 10_000
-    _quant(MINI, tmp_path / "two", "cpu:0,1", "Kimi-Linear", practice)
-    assert assert_same_bytes(tmp_path / "one", tmp_path / "two") > 100
+def test_dp_output_equals_single_device_on_kimi_linear_mini(mini_runs):
+    assert _quantized_attentions(mini_runs.one) > 0
+    assert mini_runs.ascend_ops_checked > 10_000
+    assert assert_same_bytes(mini_runs.one, mini_runs.two) > 100
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])

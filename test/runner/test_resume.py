@@ -31,7 +31,6 @@ from .dp_helpers import REPO, shrunken_practice
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 
-MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 
 @pytest.fixture(scope="module")
@@ -138,16 +137,13 @@ def test_a_failure_after_the_last_unit_resumes_to_the_uninterrupted_output(tiny_
     assert_same_files(reference("cpu"), save)
 
 
-@pytest.mark.skipif(not (MINI / "config.json").is_file(), reason=f"{MINI} not available")
-def test_kimi_linear_mini_resumes_on_two_ranks(reference, tmp_path):
-    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_linear_w4a8.yaml", tmp_path / "p.yaml",
-                                 max_samples=4, max_seq_len=64)
+def test_kimi_linear_mini_resumes_on_two_ranks(mini_runs, tmp_path):
     save = tmp_path / "work" / "out"
     save.parent.mkdir()
-    args = command(MINI, save, "cpu:0,1", practice, "Kimi-Linear")
+    args = command(mini_runs.model, save, "cpu:0,1", mini_runs.practice, "Kimi-Linear")
     stop_after(args, "layers.3", "sigkill", tmp_path)
     assert main([*args, "--resume"]) == 0
-    assert_same_files(reference("cpu:0,1", MINI, "Kimi-Linear", practice), save)
+    assert_same_files(mini_runs.two, save)
 
 
 # --- refusals ------------------------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.model.common.hf_checkpoint import HFCheckpoint
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
-from msmodelslim.quant import QuantLinear
 
 HIDDEN, INTER, N_EXPERTS = 32, 48, 2
 _EXPERT_RE = re.compile(r"(?<!shared_)experts\.(\d+)\.")
@@ -91,14 +91,11 @@ class ToyAdapter(ModelAdapter):
     def is_rank_local(self, name):
         return _EXPERT_RE.search(name + ".") is not None
 
-    def checkpoint_state(self, unit, module):
-        quantized = {n: m for n, m in module.named_modules() if isinstance(m, QuantLinear)}
-        for n, m in quantized.items():
-            yield self.checkpoint_name(unit, n), m
-        for n, t in module.state_dict().items():
-            if any(n.startswith(q + ".") for q in quantized):
-                continue
-            yield self.checkpoint_name(unit, n), t
+    def tensor_names(self, unit, live_name, source):
+        return [self.checkpoint_name(unit, live_name)]
+
+    def checkpoint_state(self, unit, module):  # the shared save walk, this toy being its own layout
+        return HFCheckpoint.saved_state(self, unit, module, self.checkpoint_name)
 
 
 def write_source_dir(path: Path) -> Path:

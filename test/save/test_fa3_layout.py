@@ -35,16 +35,8 @@ PRACTICES = {  # the reference run -> what its fa3_quant entry asked for
 _ST = {torch.float32: "F32", torch.int8: "I8", torch.bfloat16: "BF16"}
 
 
-class FA3ToyAdapter(ToyAdapter):
-    def checkpoint_state(self, unit, module):
-        yield from super().checkpoint_state(unit, module)
-        for name, mod in module.named_modules():
-            if isinstance(mod, AttentionFakeQuant):
-                yield self.checkpoint_name(unit, name), mod
-
-
 def _ours(tmp_path: Path, specs: dict[str, AttentionQuantSpec]) -> tuple[dict, dict]:
-    adapter = FA3ToyAdapter(write_source_dir(tmp_path / "src"))
+    adapter = ToyAdapter(write_source_dir(tmp_path / "src"))
     layer = quantize(make_layer(), adapter)
     for branch, spec in specs.items():
         heads = HEADS if branch == "fa_q" else 1
