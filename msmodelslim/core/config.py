@@ -14,8 +14,9 @@ spec:
 ```
 `spec.process` / `spec.save` become lists of `PracticeStep(type, config, cls)`. Processor and saver entries are built
 generically from the config dataclass registered under their `type` in the registries `load_practice` is given (the
-application's: `processor.catalog.registries()`): keys are checked against `dataclasses.fields`, values against the
-field type hints (nested dataclasses, lists, tuples, dicts, Literal, Optional), then `.validate()` runs.
+application's: `processor.catalog.registries()`): keys are checked against `dataclasses.fields`; a `StrictConfig`
+then converts and checks its values against the field type hints (nested dataclasses, lists, tuples, dicts,
+Literal, Optional) and runs `.validate()`, the same way when it is built in code.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class Observe:
     - `absmax`: per input channel, max |x| (float32 [d]).
     - `hessian`: X^T X over every token (float32 [d, d]), and the number of those tokens (`tokens`). The runner
       rounds x onto a per-channel integer grid of 2^15 steps of its range and sums exactly in int64
-      (`statistics.py`): the same on any number of ranks in any order. Readers of one input get one tensor
+      (`pipeline/statistics.py`): the same on any number of ranks in any order. Readers of one input get one tensor
       (read-only). The range comes from `ranges` when the processor has it for the unit as it is now, else from a
       first pass.
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens

@@ -1,7 +1,7 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
 Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (the runner answers
-what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `context.py`) -> forward the processed unit over the samples to make
+what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
 follow the head) -> save -> free.
 """

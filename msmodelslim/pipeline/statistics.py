@@ -2,7 +2,7 @@
 
 A kind owns its whole life cycle: what its hook accumulates during a calibration pass, the zeros a module that saw
 no token reports (so every rank reduces the same names), its exact reduction over data-parallel ranks, and the form
-processors receive. A new statistic is one registered class; the runner (`context.observe`) only drives them.
+processors receive. A new statistic is one registered class; the runner (`answers.observe`) only drives them.
 
 Everything runs on the run's device in Ascend-safe arithmetic (docs/npu.md): float32 and integers, matrix products
 in float32, collectives in float32 (max) or int64 (sums). The sums are exact, so every answer is identical on any

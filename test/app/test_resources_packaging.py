@@ -1,4 +1,4 @@
-"""app.resources: config/, lab_practice/ and lab_calib/ are found in a source checkout and inside a built wheel
+"""core.resources: config/, lab_practice/ and lab_calib/ are found in a source checkout and inside a built wheel
 (as msmodelslim/resources/<kind>/). The wheel is built from a copy of the sources (no build files in the tree)
 and unpacked; the reference is the list of files under the top-level folders of this checkout."""
 
