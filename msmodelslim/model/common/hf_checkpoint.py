@@ -135,11 +135,6 @@ class HFCheckpoint:
             raise UserError(f"{self.view.file}: {cls.__name__} cannot be built from it: {one_line(exc)}") from None
         self.model.eval()
 
-    @property
-    def is_native(self) -> bool:
-        """transformers' own class (not remote code): its conversion mapping may rename stored tensors."""
-        return type(self.model).__module__.startswith("transformers.models.")
-
     # --- the one walk ------------------------------------------------------------------------------------------
     def _slots(self, layout: CheckpointLayout, unit: Unit, module: nn.Module, available: set[str], source: bool,
                ) -> Iterator[tuple[str, nn.Module, str, bool, list[str]]]:
