@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class HFModelAdapter(ModelAdapter):
-    """Subclasses give `make_layout` (and `patches` if they patch the model's classes)."""
+    """Subclasses give `make_layout` (and `patches` if they patch the model's classes). Construction checks the
+    checkpoint's headers against the layout (names, shapes, dtypes, MXFP4 layout, strays) before any compute."""
 
     def __init__(self, model_path: str | Path, trust_remote_code: bool = False, dist: DistContext = SINGLE,
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -88,10 +89,6 @@ class HFModelAdapter(ModelAdapter):
         self.layout.idle_unit(unit, module)
 
     # --- loading and saving: the checkpoint layer ------------------------------------------------------------
-    def check_checkpoint(self) -> None:
-        """Headers only (also run once on construction): names, shapes, dtypes, MXFP4 layout, strays."""
-        self.checkpoint.check(self.layout)
-
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
         """`reader` defaults to the source checkpoint; any other (an AscendV1 output) is read by serving names."""
         return self.checkpoint.load(self.layout, unit, device, reader)
