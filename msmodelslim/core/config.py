@@ -74,15 +74,16 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _parse_yaml(path: Path, what: str) -> Any:
+    """The YAML document of `path` (`what`: the kind of file, for the errors)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise PracticeError(f"practice file not found: {path}") from None
+        raise PracticeError(f"{what} file not found: {path}") from None
     except IsADirectoryError:
-        raise PracticeError(f"practice path is a directory, expected a YAML file: {path}") from None
+        raise PracticeError(f"{what} path is a directory, expected a YAML file: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise PracticeError(f"cannot read practice file {path}: {exc}") from None
+        raise PracticeError(f"cannot read {what} file {path}: {exc}") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
@@ -91,6 +92,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise PracticeError(f"{where}: invalid YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise PracticeError(f"{path}: invalid YAML: {exc}") from None
+    return data
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    data = _parse_yaml(path, "practice")
     if not isinstance(data, dict):
         raise PracticeError(f"{path}: the top level must be a mapping with apiversion, metadata and spec")
     return data
@@ -351,6 +357,60 @@ class PracticeStep:
         return self.cls(self.config, *args)
 
 
+# What a quant report (pipeline/report.py) ranks linears by; each is worst when largest.
+ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
+                       "act_channel_ratio"]
+REPORT_METRICS: tuple[str, ...] = typing.get_args(ReportMetric)
+FallbackScheme = Literal["FLOAT", "W8A8_DYNAMIC", "W8A8_MXFP8"]
+
+
+@dataclass
+class FallbackConfig(StrictConfig):
+    """One `spec.fallback` item: linears kept in higher precision than the practice's quantizers give them
+    (processor/fallback.py). They are named by checkpoint-name globs (`names`), a file of them (`names_file`: a YAML
+    list, or the `disable_names` of `msmodelslim analyze --save_path`), or the `top_k` worst by `metric` of a quant
+    report of the same checkpoint (`report`); files are relative to the practice."""
+
+    to: FallbackScheme
+    names: list[str] = field(default_factory=list)
+    names_file: str | None = None
+    report: str | None = None
+    metric: ReportMetric = "error"
+    top_k: int | None = None
+    globs: list[str] = field(default_factory=list, init=False)  # every name, once the files are read (`load`)
+    report_source: dict[str, str] | None = field(default=None, init=False)  # the report's checkpoint identity
+
+    def validate(self) -> None:
+        if not (self.names or self.names_file or self.report):
+            raise ValueError("names a linear in none of names, names_file or report")
+        if (self.report is None) != (self.top_k is None):
+            raise ValueError("report and top_k go together: the top_k worst linears of the report")
+        if self.top_k is not None and self.top_k <= 0:
+            raise ValueError(f"top_k: must be a positive integer, got {self.top_k}")
+
+    def load(self, base: Path, path: str) -> None:
+        """Read `names_file` and `report` (relative to `base`) into `globs`; SchemaError naming the file."""
+        self.globs = list(self.names)
+        if self.names_file is not None:
+            file = base / self.names_file
+            data = _parse_yaml(file, _join(path, "names_file"))
+            listed = data.get("disable_names") if isinstance(data, dict) else data
+            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+                raise SchemaError(_join(path, "names_file"), f"{file}: expected a list of linear names (or a "
+                                  "mapping with disable_names: [...], as msmodelslim analyze writes it)")
+            self.globs += listed
+        if self.report is not None:
+            from msmodelslim.core.report import ranked, read_report
+
+            file = base / self.report
+            try:
+                report = read_report(file)
+            except UserError as exc:
+                raise SchemaError(_join(path, "report"), str(exc)) from None
+            self.report_source = report["source"]
+            self.globs += [name for name, _ in ranked(report["linears"], self.metric)[:self.top_k]]
+
+
 @dataclass
 class Spec(StrictConfig):
     process: list[PracticeStep]  # processors in YAML order
@@ -360,6 +420,7 @@ class Spec(StrictConfig):
     default_text: str = ""
     max_samples: int | None = None
     max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
+    fallback: list[FallbackConfig] = field(default_factory=list)  # linears kept in higher precision
 
     def validate(self) -> None:
         if not self.dataset.strip():
@@ -483,6 +544,11 @@ def load_practice(path: str | Path, processors: Mapping[str, Any], savers: Mappi
         if apiversion == MULTIMODAL_APIVERSION and not spec.default_text.strip():
             raise SchemaError("spec.default_text", f"required (non-empty) for apiversion {MULTIMODAL_APIVERSION}")
         _check_label_is_kept(metadata.label, spec.process, processors)
+        for i, entry in enumerate(spec.fallback):
+            try:
+                entry.load(path.parent, f"spec.fallback[{i}]")
+            except PracticeError as exc:  # a names file that cannot be read
+                raise PracticeError(f"{path}: {exc}") from None
     except SchemaError as exc:
         raise PracticeError(f"{path}: {exc}") from None
     practice = PracticeConfig(apiversion=apiversion, metadata=metadata, spec=spec)

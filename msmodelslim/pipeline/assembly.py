@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from msmodelslim.model.base import ModelAdapter
+from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
 
 
@@ -16,7 +17,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
 
     samples = adapter.prepare_samples(records, max_seq_len=spec.max_seq_len)
-    processors = [step.build() for step in spec.process]
+    processors = apply_fallback([step.build() for step in spec.process], spec.fallback, adapter)
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
     schemes = scheme_names(planned)
     for processor in processors:

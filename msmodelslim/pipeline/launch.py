@@ -33,10 +33,12 @@ from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
 from msmodelslim.errors import RankLost, UserError
+from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.assembly import prepare_run, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 
 logger = logging.getLogger(__name__)
@@ -189,8 +191,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
+        report = QuantReport(adapter, dist, source_identity(request.model_path), request.work_dir)
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
-                                 resume=ResumeState(request.work_dir), resume_after=request.resume_after)
+                                 resume=ResumeState(request.work_dir), resume_after=request.resume_after,
+                                 report=report)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):

@@ -3,7 +3,7 @@
 Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (the runner answers
 what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
-follow the head) -> save -> free.
+follow the head), with the quant report's observers on its quantized linears (pipeline/report.py) -> save -> free.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
+from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.processor.base import OutputExtras, Processor
 
@@ -48,7 +49,8 @@ class RunStats:
 class LayerWiseRunner:
     def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
                  dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
-                 resume: ResumeState | None = None, resume_after: int | None = None) -> None:
+                 resume: ResumeState | None = None, resume_after: int | None = None,
+                 report: QuantReport | None = None) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -59,6 +61,7 @@ class LayerWiseRunner:
         self.stats = RunStats()
         self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
         self.resume_after = resume_after  # continue after this unit, from its kept state
+        self.report = report  # the quant report (pipeline/report.py), collected during the forwards
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool) -> list[dict[str, Any]]:
@@ -80,6 +83,7 @@ class LayerWiseRunner:
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],
             "processors": [processor.resume_state() for processor in self.processors],
+            "report": None if self.report is None else self.report.resume_state(),
         })
         self.stats.add("resume_state", time.perf_counter() - t0)
 
@@ -89,6 +93,8 @@ class LayerWiseRunner:
             saver.restore_state(state)
         for processor, state in zip(self.processors, kept["processors"], strict=True):
             processor.restore_state(state)
+        if self.report is not None and kept.get("report") is not None:
+            self.report.restore_state(kept["report"])
         return _to_device(kept["states"], self.dist.device)
 
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
@@ -143,9 +149,16 @@ class LayerWiseRunner:
                 self.stats.add("process", time.perf_counter() - t0)
 
                 t0 = time.perf_counter()
-                if i + 1 < len(units):  # the last unit's outputs feed nothing
+                watched = self.report.watch(module) if self.report is not None else []
+                if i + 1 < len(units):
                     states = self._run_samples(unit, module, states, keep=True)
+                elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone
+                    self._run_samples(unit, module, states, keep=False)
                 self.stats.add("calibrate", time.perf_counter() - t0)
+                if watched:
+                    t0 = time.perf_counter()
+                    self.report.finish_unit(unit, watched)
+                    self.stats.add("report", time.perf_counter() - t0)
 
                 t0 = time.perf_counter()
                 for saver in self.savers:
@@ -171,10 +184,14 @@ class LayerWiseRunner:
         self.dist.barrier()
         for saver in self.savers:
             saver.finish_rank()
+        if self.report is not None:
+            self.report.finish_rank()
         self.dist.barrier()  # every rank's part is on disk
         if self.dist.is_main:
             for saver in self.savers:
                 saver.merge(metadata, extras)
+            if self.report is not None:
+                self.report.merge()
         self.dist.barrier()  # no rank returns before the output is complete
         self.stats.add("save", time.perf_counter() - t0)
         return self.stats

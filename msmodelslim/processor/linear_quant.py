@@ -58,6 +58,7 @@ from msmodelslim.quant.gptq import GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
 from msmodelslim.quant.modules import QuantLinear, QuantScheme, quantize_weight, scheme_for
 from msmodelslim.quant.mx import MX_FORMATS, decode_weight, mx_format
+from msmodelslim.quant.sensitivity import weight_error
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +212,19 @@ class LinearQuantProcessor(Processor):
             stats = yield Observe(hessian=tuple(linears))
             hessians, tokens = stats.hessian, stats.tokens
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
-        hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
         for live_name, (q, scale) in quantized.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
             linear = parent.get_submodule(child)
-            setattr(parent, child, QuantLinear.from_linear(linear, scheme, quantized=(q, scale)))
+            quant = QuantLinear.from_linear(linear, scheme, quantized=(q, scale))
+            # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had
+            method = "checkpoint" if live_name in native else weight_cfg.method  # kept MXFP4 bytes: no rounding
+            quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,
+                                              hessians.get(live_name))
+            setattr(parent, child, quant)
+        hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""
         logger.info("linear_quant %s (%s): %s quantized %d linears%s", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(quantized), kept)

@@ -51,6 +51,7 @@ from msmodelslim.quant.mx import (
     grid_exponents,
     quantize_mx_weight,
 )
+from msmodelslim.quant.sensitivity import InputSums, WeightError
 
 ONLINE_ROTATION = "online_rotation"
 
@@ -264,6 +265,10 @@ class QuantLinear(nn.Module):
             raise ValueError(f"online_rotation must be [{in_features}, {in_features}], "
                              f"got {list(online_rotation.shape)}")
         self.register_buffer(ONLINE_ROTATION, online_rotation)
+        # The quant report's two halves (quant/sensitivity.py), plain attributes, never saved: what linear_quant
+        # knew of the rounding, and the input sums the runner collects while it forwards the quantized unit.
+        self.weight_error: WeightError | None = None
+        self.observer: InputSums | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
@@ -295,6 +300,7 @@ class QuantLinear(nn.Module):
         if self.online_rotation is not None:
             x = apply_online_rotation(x, self.online_rotation)
         act = self.scheme.act
+        x_quant = None  # what the kernel multiplies by, for the observer
         if isinstance(act, IntDtype):
             qx, sx = quantize_per_token(x, act)
             if self.group_size:  # per-group scales do not factor out of the sum: float32 products
@@ -302,12 +308,16 @@ class QuantLinear(nn.Module):
             else:
                 y = _integer_matmul(qx, self.qweight) * sx * self.weight_scale.t()
             y = y.to(out_dtype)
+            if self.observer is not None:
+                x_quant = qx.to(torch.float32) * sx
         else:  # MX: elements times powers of two are exact in the model dtype
             if act is not None:
-                x = fake_quant_mx(x, act, self.scheme.act_rounding)
-            y = F.linear(x, self.dequantized_weight(x.dtype))
+                x_quant = fake_quant_mx(x, act, self.scheme.act_rounding)
+            y = F.linear(x if act is None else x_quant, self.dequantized_weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
+        if self.observer is not None:
+            self.observer.record(x, x_quant, y)
         return y
 
     def extra_repr(self) -> str:

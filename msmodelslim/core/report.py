@@ -1,0 +1,44 @@
+"""The quant report file (`quant_report.json`, written by pipeline/report.py into every output and by `msmodelslim
+analyze`): its name, reading it back, and ranking its linears by a metric.
+
+```json
+{"version": 1, "source": {"config_sha256": ..., "index_sha256": ...},
+ "linears": {"<checkpoint name>": {"unit": "layers.3", "scheme": "W4A8_DYNAMIC", "method": "gptq",
+             "error": 0.0071, "weight_error": ..., "act_error": ..., "hessian": "exact" | "diagonal",
+             "tokens": 2048, "weight_kurtosis": 3.1, "weight_std": ..., "act_absmax": ..., "act_channel_ratio": ...}}}
+```
+`error` is the linear's relative output MSE on the calibration tokens (quant/sensitivity.py); every metric is worst
+when largest; a metric is null where it could not be measured (a linear no token reached).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from msmodelslim.errors import UserError
+
+REPORT_FILE = "quant_report.json"
+REPORT_VERSION = 1
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A quant report, checked for its shape (UserError naming the file)."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such quant report") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a readable quant report ({exc})") from None
+    if not isinstance(report, dict) or report.get("version") != REPORT_VERSION \
+            or not isinstance(report.get("linears"), dict) or not isinstance(report.get("source"), dict):
+        raise UserError(f"{path}: not a quant report of version {REPORT_VERSION} (expected the {REPORT_FILE} of a "
+                        f"msmodelslim quant or analyze run)")
+    return report
+
+
+def ranked(linears: dict[str, dict[str, Any]], metric: str = "error") -> list[tuple[str, float]]:
+    """(name, value) of the linears that have `metric`, worst (largest) first; ties by name."""
+    values = [(name, e[metric]) for name, e in linears.items() if e.get(metric) is not None]
+    return sorted(values, key=lambda item: (-item[1], item[0]))

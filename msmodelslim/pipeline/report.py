@@ -1,0 +1,102 @@
+"""The quant report: every quantized linear's output error on the calibration tokens, its weight and activation
+statistics (quant/sensitivity.py), from the forward the runner makes anyway: no calibration pass of its own.
+
+Per unit, `watch` gives each QuantLinear an input-sums observer for the runner's forward of the quantized unit
+(the one that makes the next unit's inputs; the last unit feeds nothing, so its forward runs for the report only
+when it holds a quantized linear); `finish_unit` sums the replicated linears' sums over the data-parallel ranks
+(float32: the report is a diagnostic, its numbers are kept to 4 significant digits and agree across rank counts
+within that; routed experts under EP already saw every rank's tokens) and makes each linear's entry. The entries
+are part of a rank's resumable state. At the end every rank writes its part and rank 0 merges them into
+`quant_report.json` and logs the worst linears.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from msmodelslim.core.dist import DistContext
+from msmodelslim.core.report import REPORT_FILE, REPORT_VERSION, ranked
+from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.quant.modules import QuantLinear
+from msmodelslim.quant.sensitivity import InputSums, report_entry
+
+logger = logging.getLogger(__name__)
+
+LOGGED_WORST = 15  # msModelSlim's `analyze --top_k` default
+
+
+class QuantReport:
+    def __init__(self, adapter: ModelAdapter, dist: DistContext, source: dict[str, str], work_dir: Path) -> None:
+        self.adapter = adapter
+        self.dist = dist
+        self.work_dir = work_dir  # the run's temporary output: the parts and the report go there
+        self.source = source  # formats.checkpoint.source_identity of the checkpoint: a fallback checks it
+        self.entries: dict[str, dict[str, Any]] = {}  # checkpoint name -> entry, this rank's
+
+    def watch(self, module: nn.Module) -> list[tuple[str, QuantLinear]]:
+        """The unit's quantized linears, each given a fresh observer (live name, module)."""
+        linears = [(name, m) for name, m in module.named_modules()
+                   if isinstance(m, QuantLinear) and m.weight_error is not None]
+        for _, m in linears:
+            m.observer = InputSums.zeros(m.in_features, self.dist.device)
+        return linears
+
+    def finish_unit(self, unit: Unit, linears: list[tuple[str, QuantLinear]]) -> None:
+        """Reduce the replicated linears' sums over ranks (the same names in the same order on every rank) and
+        record one entry per linear; the observers are taken off again."""
+        replicated = [(n, m.observer) for n, m in linears if not self.adapter.is_rank_local(n)]
+        floats = {f"{n}/{k}": getattr(s, k) for n, s in replicated for k in ("squares", "act_error", "output_squares")}
+        floats = self.dist.all_reduce_sum(floats)
+        tokens = self.dist.all_reduce_sum({n: s.tokens for n, s in replicated})
+        absmax = self.dist.all_reduce_max({n: s.absmax for n, s in replicated})
+        for name, sums in replicated:
+            sums.squares, sums.act_error, sums.output_squares = (floats[f"{name}/{k}"] for k in
+                                                                 ("squares", "act_error", "output_squares"))
+            sums.tokens, sums.absmax = tokens[name], absmax[name]
+        for name, m in linears:
+            entry = report_entry(m.scheme.name, m.weight_error, m.observer)
+            self.entries[self.adapter.checkpoint_name(unit, name)] = {"unit": unit.name, **entry}
+            m.observer = m.weight_error = None
+
+    def resume_state(self) -> dict[str, Any]:
+        return {"entries": dict(self.entries)}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.entries = dict(state["entries"])
+
+    def _part(self, rank: int) -> Path:
+        return self.work_dir / f".report.rank{rank}.json"
+
+    def finish_rank(self) -> None:
+        self._part(self.dist.rank).write_text(json.dumps(self.entries), encoding="utf-8")
+
+    def merge(self) -> dict[str, Any]:
+        """Rank 0, every part on disk: the report file, its parts removed; the worst linears logged."""
+        entries: dict[str, dict[str, Any]] = {}
+        for rank in range(self.dist.world_size):
+            part = self._part(rank)
+            entries.update(json.loads(part.read_text(encoding="utf-8")))
+            part.unlink()
+        report = {"version": REPORT_VERSION, "source": self.source,
+                  "linears": {name: entries[name] for name in sorted(entries)}}
+        (self.work_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        log_worst(report["linears"])
+        return report
+
+
+def log_worst(linears: dict[str, dict[str, Any]], top: int = LOGGED_WORST) -> None:
+    worst = ranked(linears)[:top]
+    if not worst:
+        return
+    width = max(len(name) for name, _ in worst)
+    lines = [f"  {name:<{width}}  {linears[name]['scheme']:<14} error {value:.3e} (weight "
+             f"{linears[name]['weight_error']:.2e}, act {linears[name]['act_error']:.2e}, kurtosis "
+             f"{linears[name]['weight_kurtosis']:.1f})" for name, value in worst]
+    logger.info("quant report: the %d of %d quantized linears with the largest relative output error on the "
+                "calibration tokens (%s):\n%s", len(worst), len(linears), REPORT_FILE, "\n".join(lines))
+

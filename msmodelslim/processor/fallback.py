@@ -1,0 +1,107 @@
+"""`spec.fallback`: linears kept in higher precision than the practice's quantizers would give them.
+
+msModelSlim's accuracy loop (evaluate; past a 1 % drop, find the sensitive linears and keep them in higher precision;
+quantize again) needs a way to say "these linears, not as the practice says". Each `spec.fallback` item names
+linears (core/config.py `FallbackConfig`: globs, a names file, or the top k of a quant report) and a target:
+
+- `FLOAT`: the linears are excluded from every linear_quant entry;
+- `W8A8_DYNAMIC` / `W8A8_MXFP8`: a linear_quant entry of that scheme selecting exactly them runs before the
+  practice's own (the first matching entry wins). It takes the qconfig of the practice's first entry of that scheme,
+  else min/max activations with ssz (integer) or min/max (MX) weights.
+
+Only linears the practice quantizes move; a glob that reaches none of them is an error. The serving engine runs a
+fused group (q/k/v, gate/up, a layer's routed experts) as one layer with one scheme, so a member moves its whole
+group, and the log says how many linears moved for how many named. FLOAT wins over a W8A8 fallback of the same
+linear.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from msmodelslim.core.config import FallbackConfig
+from msmodelslim.errors import UserError
+from msmodelslim.processor.globs import matching
+from msmodelslim.processor.linear_quant import (
+    ActQConfig,
+    LinearQuantConfig,
+    LinearQuantProcessor,
+    QConfig,
+    WeightQConfig,
+    planned_configs,
+)
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_QCONFIG = {
+    "W8A8_DYNAMIC": QConfig(act=ActQConfig(), weight=WeightQConfig(dtype="int8", method="ssz")),
+    "W8A8_MXFP8": QConfig(act=ActQConfig(scope="per_block", dtype="mxfp8"),
+                          weight=WeightQConfig(scope="per_block", dtype="mxfp8", method="minmax")),
+}
+
+
+def _chosen(entry: FallbackConfig, index: int, quantized: list[str]) -> set[str]:
+    """The quantized linears `entry` names; a glob that names none of them is an error."""
+    chosen: set[str] = set()
+    for glob in entry.globs:
+        hits = [name for name in quantized if matching(name, [glob])]
+        if not hits:
+            raise UserError(f"spec.fallback[{index}]: {glob!r} names none of the model's {len(quantized)} quantized "
+                            f"linears (checkpoint names without .weight, e.g. {quantized[len(quantized) // 2]})")
+        chosen.update(hits)
+    return chosen
+
+
+def _with_groups(chosen: set[str], adapter: Any) -> list[str]:
+    """`chosen` and every other member of a fused group one of them is in, as globs: a group whose shards all sit
+    under its fused name (a layer's experts) as one `<group>.*`, other shards by name."""
+    globs: set[str] = set()
+    grouped: set[str] = set()
+    for group, shards in adapter.fused_groups():
+        if not chosen.intersection(shards):
+            continue
+        grouped.update(shards)
+        if all(s.startswith(group + ".") for s in shards):
+            globs.add(group + ".*")
+        else:
+            globs.update(shards)
+    return sorted(globs | (chosen - grouped))
+
+
+def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter: Any) -> list[Any]:
+    """The practice's processors with `entries` applied (module docstring); the processors themselves are new where
+    they change, so the practice's configs stay as they were read."""
+    if not entries:
+        return processors
+    planned = planned_configs(processors, adapter)
+    quantized = sorted(name for name, cfg in planned.items() if cfg is not None)
+    quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
+    to_float: list[str] = []
+    higher: list[tuple[str, list[str]]] = []  # (scheme, globs)
+    for i, entry in enumerate(entries):
+        chosen = _chosen(entry, i, quantized)
+        globs = _with_groups(chosen, adapter)
+        moved = sum(1 for name in quantized if matching(name, globs))
+        logger.info("spec.fallback[%d]: %d linears to %s (%d named, the rest share a fused serving layer with one)",
+                    i, moved, entry.to, len(chosen))
+        if entry.to == "FLOAT":
+            to_float += globs
+        else:
+            higher.append((entry.to, globs))
+    first = True
+    out = []
+    for processor in processors:
+        if isinstance(processor, LinearQuantProcessor):
+            if first:  # the fallback entries run before the practice's own: the first matching entry wins
+                for scheme, globs in higher:
+                    like = next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)
+                    out.append(LinearQuantProcessor(LinearQuantConfig(qconfig=like or _DEFAULT_QCONFIG[scheme],
+                                                                      include=globs, exclude=to_float)))
+                first = False
+            if to_float:
+                processor = LinearQuantProcessor(replace(processor.config,
+                                                         exclude=processor.config.exclude + to_float))
+        out.append(processor)
+    return out
