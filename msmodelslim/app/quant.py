@@ -143,7 +143,7 @@ def _check_expert_split(model_path: Path, config: dict[str, Any], device: Device
         )
 
 
-def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
+def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     """Every check that needs no model weights, in the order a user would fix them."""
     model_path = Path(args.model_path).expanduser().resolve()
     save_path = Path(args.save_path).expanduser().absolute()
@@ -184,7 +184,8 @@ def _plan(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)
 
 
-def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None) -> None:
+def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None,
+                 report_only: bool = False) -> None:
     from msmodelslim.core import ascend_check
     from msmodelslim.pipeline import launch
 
@@ -199,6 +200,7 @@ def _run_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int
         orphan_cleanup=(_side_name(plan.save_path, "lock"),),
         resume_after=resume_after,
         ascend_check=ascend_check.enabled(),
+        report_only=report_only,
     )
     launch.run_service(request)
 
@@ -293,7 +295,7 @@ class _Stop:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[_Stop]:
+def sigterm_raises() -> Iterator[_Stop]:
     """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed or kept as resumable state), then
     exits 143; both signals are remembered (`_Stop`)."""
     stop = _Stop()
@@ -408,12 +410,12 @@ def _remove_output(work_dir: Path | None, *files: Path) -> None:
 
 def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
     """The built-in launch: this process holds the output and starts one process per device of this host."""
-    with _sigterm_raises() as stop, _output_lock(plan.save_path):
+    with sigterm_raises() as stop, _output_lock(plan.save_path):
         _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
         _check_free_space(plan.model_path, plan.save_path)
         work_dir, after = _open_work_dir(plan, args)
         with _on_failure(stop, work_dir, plan.device.world_size):
-            _run_service(plan, args, work_dir, after)
+            run_quant_service(plan, args, work_dir, after)
             _finish_output(plan, args, work_dir)
 
 
@@ -422,7 +424,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
     launcher's main process does; every rank checks that it sees that folder (one shared directory on every node)
     before any compute. On a failure every rank removes the temporary output, or keeps it as resumable state: the
     rank that held it may be gone."""
-    with _sigterm_raises() as stop:
+    with sigterm_raises() as stop:
         torchrun.join(place, plan.device.backend, plan.device.torch_device(place.rank))
         try:
             with contextlib.ExitStack() as held:
@@ -443,7 +445,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                 lock = () if place.is_main else (_side_name(plan.save_path, "lock"),)
                 with _on_failure(stop, work_dir, plan.device.world_size, *lock):
                     _check_shared(plan.save_path, work_dir, token, place)
-                    _run_service(plan, args, work_dir, after)
+                    run_quant_service(plan, args, work_dir, after)
                     if place.is_main:
                         _finish_output(plan, args, work_dir)
         finally:
@@ -471,7 +473,7 @@ def quant(args: QuantArgs) -> QuantResult:
     of the job (core/torchrun.py); the result of a rank other than 0 reports no files."""
     start = time.perf_counter()
     place = TorchrunRank.from_environment()
-    plan = _plan(args, place)
+    plan = check_request(args, place)
     logger.info("model_type %s -> %s (%s); practice %s; device %s", args.model_type, plan.entry.group,
                 plan.entry.entry_point, plan.chosen.path, plan.device)
     try:
@@ -503,7 +505,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     from msmodelslim.app.plan import build_plan
     from msmodelslim.pipeline.launch import prepare_run
 
-    checked = _plan(args, TorchrunRank.from_environment())  # under torchrun: the job's rank count
+    checked = check_request(args, TorchrunRank.from_environment())  # under torchrun: the job's rank count
     _check_save_path(checked.model_path, checked.save_path)
     _check_free_space(checked.model_path, checked.save_path)
     _check_state(checked, args)

@@ -1,4 +1,4 @@
-"""`msmodelslim quant ...` and `msmodelslim eval ...`: argument parsing, logging set-up and the final summary.
+"""`msmodelslim quant|analyze|tune|eval ...`: argument parsing, logging set-up and the final summary.
 
 Exit status: 0 done; 2 bad input (one line `msmodelslim: error: ...`, no traceback); 1 an unexpected failure
 (traceback kept), or a rank that lost its peers (one line: the rank that failed first says why); 130 interrupted (SIGINT), 143 terminated (SIGTERM): every rank stopped, nothing left behind.
@@ -38,7 +38,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msmodelslim", description="Post-training quantization (msModelSlim style).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{quant,eval}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{quant,analyze,tune,eval}")
 
     quant = sub.add_parser("quant", help="quantize a model and write the AscendV1 format",
                            description="Quantize a Hugging Face weight directory layer by layer.")
@@ -67,10 +67,55 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--plan-json", metavar="FILE", default=None, help="with --plan, also write the plan as JSON")
     _common(quant)
 
+    from msmodelslim.app.analyze import DEFAULT_TOP_K, METRICS
+
+    analyze = sub.add_parser("analyze", help="rank the linears a practice quantizes worst, without writing a model",
+                             description="Quantize layer by layer in memory and rank the quantized linears by a "
+                                         "sensitivity metric of the quant report; nothing but the files asked for "
+                                         "is written.")
+    _model_arguments(analyze)
+    analyze.add_argument("--metrics", default="mse", metavar="METRIC",
+                         help=f"{' | '.join(METRICS)} (default: mse, the relative output error)")
+    analyze.add_argument("--top_k", type=int, default=DEFAULT_TOP_K, help=f"how many to list (default {DEFAULT_TOP_K})")
+    analyze.add_argument("--patterns", nargs="+", default=[], metavar="GLOB",
+                         help="rank only linears whose checkpoint names match one of these globs")
+    analyze.add_argument("--save_path", default=None, metavar="FILE.yaml",
+                         help="write the top k as disable_names (a practice's spec.fallback names_file)")
+    analyze.add_argument("--report_path", default=None, metavar="FILE.json", help="write the whole quant report")
+    _common(analyze)
+
+    tune = sub.add_parser("tune", help="quantize, evaluate, fall back the worst linears, until a perplexity target",
+                          description="Rounds of quantize -> perplexity -> fall back the linears with the largest "
+                                      "report error, until the perplexity increase is at most the target.")
+    _model_arguments(tune)
+    tune.add_argument("--save_path", required=True, help="output directory (must not exist or be empty)")
+    tune.add_argument("--dataset", required=True, help="a UTF-8 text file for the perplexity")
+    tune.add_argument("--target_ppl_delta", type=float, required=True, metavar="PCT",
+                      help="accept a quantization whose perplexity is at most PCT %% above the original's")
+    tune.add_argument("--max_rounds", type=int, default=4, help="quantizations at most, the first included (4)")
+    tune.add_argument("--step", type=float, default=5.0, metavar="PCT",
+                      help="percent of the quantized linears moved up per round (5)")
+    tune.add_argument("--seq_len", type=int, default=512, help="tokens per perplexity window (512)")
+    tune.add_argument("--max_windows", type=int, default=32, help="perplexity windows (32)")
+    _common(tune)
+
     # Parsed by msmodelslim.eval itself; listed here for --help.
     sub.add_parser("eval", add_help=False, help="perplexity of the original model and of a quantized output "
                    "(msmodelslim eval --help)")
     return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What analyze and tune take as quant does: the model, the devices, the practice."""
+    parser.add_argument("--model_path", required=True, help="weight directory (config.json + safetensors)")
+    parser.add_argument("--device", default="npu", help="as for quant: npu | npu:0,1,... | cuda[:i,...] | cpu[:i,...]")
+    parser.add_argument("--model_type", required=True, help="display name from config/config.ini, e.g. Kimi-K3")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--quant_type", help="w4a8, w8a8, ...: picks the best practice in lab_practice/")
+    which.add_argument("--config_path", help="a practice YAML (or a shipped practice's name)")
+    parser.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
+                        help="run the model code shipped in --model_path (default: False)")
+    parser.add_argument("--tag", nargs="+", default=(), metavar="TAG", help="as for quant")
 
 
 def setup_logging(level: str | None) -> None:
@@ -110,6 +155,45 @@ def _run_quant(ns: argparse.Namespace) -> int:
           f"{'es' if result.device.world_size > 1 else ''}, {result.device.backend}{launch})")
     print(f"  output     {result.save_path} ({result.files} files, {_size(result.bytes)}; "
           f"practice copied to {practice_file_name(result.model_type)})")
+    return 0
+
+
+def _run_analyze(ns: argparse.Namespace) -> int:
+    from msmodelslim.app.analyze import AnalyzeArgs, analyze
+
+    setup_logging(ns.log_level)
+    result = analyze(AnalyzeArgs(
+        model_path=ns.model_path, model_type=ns.model_type, device=ns.device, quant_type=ns.quant_type,
+        config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), metrics=ns.metrics,
+        top_k=ns.top_k, patterns=list(ns.patterns), save_path=ns.save_path, report_path=ns.report_path))
+    print(f"msmodelslim analyze: the {len(result.top)} of {result.considered} quantized linears with the largest "
+          f"{result.metric}")
+    width = max((len(name) for name, _ in result.top), default=0)
+    for rank, (name, value) in enumerate(result.top, 1):
+        scheme = result.report["linears"][name]["scheme"]
+        print(f"  {rank:>3}  {name:<{width}}  {scheme:<14} {value:.4g}")
+    for what, path in (("disable_names", ns.save_path), ("report", ns.report_path)):
+        if path:
+            print(f"  {what} written to {path}")
+    return 0
+
+
+def _run_tune(ns: argparse.Namespace) -> int:
+    from msmodelslim.app.tune import TuneArgs, tune
+
+    setup_logging(ns.log_level)
+    result = tune(TuneArgs(
+        model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, dataset=ns.dataset,
+        target_ppl_delta=ns.target_ppl_delta, device=ns.device, quant_type=ns.quant_type, config_path=ns.config_path,
+        trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), max_rounds=ns.max_rounds, step=ns.step,
+        seq_len=ns.seq_len, max_windows=ns.max_windows))
+    print(f"msmodelslim tune: {'target reached' if result.reached else 'target NOT reached'} "
+          f"({ns.target_ppl_delta:g} %) in {len(result.rounds)} round(s)")
+    for r in result.rounds:
+        mark = "  <- published" if r is result.chosen else ""
+        print(f"  round {r.index}: {len(r.fallback):>4} linears fallen back, perplexity {r.ppl_orig:.4f} -> "
+              f"{r.ppl_quant:.4f} ({r.delta_pct:+.2f} %){mark}")
+    print(f"  output     {result.save_path} (its practice, with the fallback, is copied beside the weights)")
     return 0
 
 
@@ -163,6 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = build_parser().parse_args(argv)  # argparse exits 2 with its own message on a bad command line
         if ns.command == "eval":  # pragma: no cover - handled above
             return _run_eval(argv[1:])
+        if ns.command == "analyze":
+            return _run_analyze(ns)
+        if ns.command == "tune":
+            return _run_tune(ns)
         return _run_quant(ns)
     except UserError as exc:
         print(f"msmodelslim: error: {exc}", file=sys.stderr)

@@ -92,6 +92,7 @@ class QuantRequest:
     orphan_cleanup: tuple[Path, ...] = ()
     ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
     resume_after: int | None = None  # continue after this unit from the state kept in work_dir
+    report_only: bool = False  # `msmodelslim analyze`: the quant report alone, no weights, no resumable state
 
 
 def _free_port() -> int:
@@ -187,13 +188,14 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         samples, processors = prepare_run(adapter, records, spec)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
-        savers = [step.build(adapter, request.work_dir, dist) for step in spec.save]
+        savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
         report = QuantReport(adapter, dist, source_identity(request.model_path), request.work_dir)
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
-                                 resume=ResumeState(request.work_dir), resume_after=request.resume_after,
+                                 resume=None if request.report_only else ResumeState(request.work_dir),
+                                 resume_after=request.resume_after,
                                  report=report)
         start = time.perf_counter()
         checked: dict[str, int] = {}

@@ -1,0 +1,152 @@
+"""`msmodelslim analyze`: which linears a practice quantizes worst, without writing a quantized model.
+
+The run is a quant run (same practice lookup, checks, devices and ranks, layer by layer) whose units are quantized
+in memory and never saved: what it keeps is the quant report (core/report.py, pipeline/report.py). The linears are
+ranked by a metric (msModelSlim's names, or the report's own):
+
+    mse       -> error              relative output MSE on the calibration tokens (weight + activation rounding)
+    kurtosis  -> weight_kurtosis    of the float weight (outliers)
+    std       -> weight_std         of the float weight
+    quantile  -> act_channel_ratio  max / median of the input channels' ranges (outlier channels)
+
+`--patterns` restricts the ranking to linears whose checkpoint names match a glob; `--save_path FILE.yaml` writes
+the top k as `disable_names`, which a practice's `spec.fallback` reads (`names_file`); `--report_path FILE.json`
+keeps the whole report (a fallback's `report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
+from msmodelslim.core.config import REPORT_METRICS
+from msmodelslim.core.report import REPORT_FILE, ranked, read_report
+from msmodelslim.core.torchrun import TorchrunRank
+from msmodelslim.errors import UserError
+from msmodelslim.processor.globs import matching
+
+logger = logging.getLogger(__name__)
+
+METRIC_ALIASES = {"mse": "error", "kurtosis": "weight_kurtosis", "std": "weight_std", "quantile": "act_channel_ratio"}
+METRICS = (*METRIC_ALIASES, *REPORT_METRICS)
+DEFAULT_TOP_K = 15  # msModelSlim's
+
+
+@dataclass
+class AnalyzeArgs:
+    model_path: str
+    model_type: str
+    device: str = "npu"
+    quant_type: str | None = None
+    config_path: str | None = None
+    trust_remote_code: bool = False
+    tags: tuple[str, ...] = ()
+    metrics: str = "mse"
+    top_k: int = DEFAULT_TOP_K
+    patterns: list[str] = field(default_factory=list)
+    save_path: str | None = None  # the disable_names YAML
+    report_path: str | None = None  # the whole report
+
+
+@dataclass
+class AnalyzeResult:
+    metric: str  # the report's metric the ranking used
+    top: list[tuple[str, float]]  # (checkpoint name, value), worst first
+    considered: int  # linears ranked (after --patterns)
+    report: dict[str, Any]
+
+
+def _check_args(args: AnalyzeArgs) -> str:
+    if args.metrics not in METRICS:
+        raise UserError(f"--metrics {args.metrics!r}: expected one of {', '.join(METRICS)}")
+    if args.top_k <= 0:
+        raise UserError(f"--top_k {args.top_k}: must be a positive integer")
+    for flag, path, suffixes in (("--save_path", args.save_path, (".yaml", ".yml")),
+                                 ("--report_path", args.report_path, (".json",))):
+        if path is None:
+            continue
+        target = Path(path)
+        if target.suffix not in suffixes:
+            raise UserError(f"{flag} {path}: expected a {' or '.join(suffixes)} file")
+        if target.exists():
+            raise UserError(f"{flag} {path}: exists; msmodelslim never overwrites a file it writes")
+        if not target.parent.is_dir():
+            raise UserError(f"{flag} {path}: no such folder {target.parent}")
+    return METRIC_ALIASES.get(args.metrics, args.metrics)
+
+
+def quantized_linears(plan: Any, trust_remote_code: bool) -> list[str]:
+    """The checkpoint names of the linears the practice quantizes, from the model's skeleton (no weight read),
+    after every check a run makes before compute."""
+    from msmodelslim.pipeline.assembly import prepare_run
+    from msmodelslim.processor.linear_quant import planned_configs
+
+    adapter = plan.adapter_cls(plan.model_path, trust_remote_code=trust_remote_code)
+    try:
+        _, processors = prepare_run(adapter, plan.records[:1], plan.chosen.practice.spec)
+        return sorted(name for name, cfg in planned_configs(processors, adapter).items() if cfg is not None)
+    finally:
+        adapter.close()
+
+
+def analyze(args: AnalyzeArgs) -> AnalyzeResult:
+    metric = _check_args(args)
+    if TorchrunRank.from_environment() is not None:
+        raise UserError("msmodelslim analyze runs its own ranks (--device npu:0,1,...), not under torchrun")
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="msmodelslim-analyze-") as tmp:
+        work_dir = Path(tmp) / "run"
+        quant_args = QuantArgs(model_path=args.model_path, save_path=str(work_dir), model_type=args.model_type,
+                               device=args.device, quant_type=args.quant_type, config_path=args.config_path,
+                               trust_remote_code=args.trust_remote_code, tags=args.tags)
+        plan = check_request(quant_args)
+        names = quantized_linears(plan, args.trust_remote_code)
+        for glob in args.patterns:
+            if not matching_any(names, glob):
+                raise UserError(f"--patterns {glob!r} matches none of the {len(names)} linears the practice "
+                                f"quantizes (checkpoint names, e.g. {names[len(names) // 2]})")
+        logger.info("analyze: %d quantized linears of %s with %s, ranked by %s", len(names), args.model_type,
+                    plan.chosen.path, metric)
+        work_dir.mkdir()
+        run_quant_service(plan, quant_args, work_dir, report_only=True)
+        report = read_report(work_dir / REPORT_FILE)
+    linears = {n: e for n, e in report["linears"].items() if not args.patterns or matching(n, args.patterns)}
+    top = ranked(linears, metric)[:args.top_k]
+    if args.report_path:
+        _write_new(Path(args.report_path), _json(report))
+    if args.save_path:
+        header = (f"# msmodelslim analyze --metrics {args.metrics} --top_k {args.top_k}: the linears of "
+                  f"{args.model_path} that {plan.chosen.path.name} quantizes worst.\n# A practice keeps them in "
+                  f"higher precision with spec.fallback: [{{to: W8A8_DYNAMIC, names_file: "
+                  f"{Path(args.save_path).name}}}]\n")
+        body = yaml.safe_dump({"metric": metric, "disable_names": [name for name, _ in top]}, sort_keys=False)
+        _write_new(Path(args.save_path), header + body)
+    return AnalyzeResult(metric, top, len(linears), report)
+
+
+def matching_any(names: list[str], glob: str) -> bool:
+    return any(matching(name, [glob]) for name in names)
+
+
+def _json(report: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(report, indent=1) + "\n"
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a temporary name renamed)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.rename(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UserError(f"{path}: cannot write it ({exc.strerror})") from None

@@ -1,0 +1,180 @@
+"""`msmodelslim tune`: quantize, measure, fall back the worst linears, quantize again, until the accuracy holds.
+
+msModelSlim's acceptance loop as one command. Round 0 quantizes with the practice; each round evaluates the output's
+perplexity against the original (`msmodelslim eval` on `--dataset`) and, while the relative increase is above
+`--target_ppl_delta` percent, moves the linears with the largest report `error` (quant_report.json of that round,
+`--step` percent of the quantized linears per round) one step up: a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or
+W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of a fused serving layer moves its whole group
+(processor/fallback.py). Each round's practice is the original with an explicit `spec.fallback`, so it is
+self-contained; the round that meets the target (or, with `--max_rounds` spent, the best one) is published at
+`--save_path` with that practice beside it. Rounds are built in `.<name>.tune/` beside the output, removed at the
+end, on a failure and on SIGINT / SIGTERM.
+
+Every round quantizes the whole model again: the units after the first changed one see other inputs, and a round
+resumed from a kept state would need every unit's calibration state kept (hidden states of all tokens per unit).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from msmodelslim.app.practice import choose_practice
+from msmodelslim.app.quant import NAME_MAX, QuantArgs, quant, sigterm_raises
+from msmodelslim.core.device import parse_device
+from msmodelslim.core.report import REPORT_FILE, ranked, read_report
+from msmodelslim.errors import UserError
+from msmodelslim.model.registry import load_registry
+from msmodelslim.quant.modules import SCHEMES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TuneArgs:
+    model_path: str
+    save_path: str
+    model_type: str
+    dataset: str
+    target_ppl_delta: float  # percent
+    device: str = "npu"
+    quant_type: str | None = None
+    config_path: str | None = None
+    trust_remote_code: bool = False
+    tags: tuple[str, ...] = ()
+    max_rounds: int = 4  # quantizations, the first included
+    step: float = 5.0  # percent of the quantized linears moved up per round
+    seq_len: int = 512
+    max_windows: int | None = 32
+
+
+@dataclass
+class Round:
+    index: int
+    fallback: dict[str, str]  # checkpoint name -> the scheme it was moved to
+    ppl_orig: float
+    ppl_quant: float
+    delta_pct: float
+    output: Path
+
+
+@dataclass
+class TuneResult:
+    rounds: list[Round] = field(default_factory=list)
+    chosen: Round | None = None
+    reached: bool = False
+    save_path: Path | None = None
+
+
+def next_scheme(scheme: str) -> str:
+    """One step up from `scheme`: 4-bit weights or activations to W8A8 of the same family, 8-bit to FLOAT."""
+    s = SCHEMES[scheme]
+    if s.weight.bits >= 8 and (s.act is None or s.act.bits >= 8):
+        return "FLOAT"
+    return "W8A8_MXFP8" if s.is_mx else "W8A8_DYNAMIC"
+
+
+def _check(args: TuneArgs) -> None:
+    if not args.target_ppl_delta > 0:
+        raise UserError(f"--target_ppl_delta {args.target_ppl_delta}: must be a positive percentage")
+    if args.max_rounds < 1:
+        raise UserError(f"--max_rounds {args.max_rounds}: must be at least 1")
+    if not 0 < args.step <= 100:
+        raise UserError(f"--step {args.step}: must be a percentage in (0, 100]")
+    if not Path(args.dataset).is_file():
+        raise UserError(f"--dataset {args.dataset}: evaluation text file not found")
+    save = Path(args.save_path)
+    if save.exists() and (not save.is_dir() or any(save.iterdir())):
+        raise UserError(f"--save_path {save}: exists and is not an empty directory (msmodelslim never overwrites "
+                        f"an output)")
+    if len(save.name.encode()) > NAME_MAX - 20:
+        raise UserError(f"--save_path {save}: the name is too long for the rounds' folders beside it")
+
+
+def _practice_with(base: dict[str, Any], base_dir: Path, fallback: dict[str, str]) -> dict[str, Any]:
+    """The practice `base` (read from `base_dir`) with `fallback` as explicit entries after its own, whose files
+    are made absolute so the round's practice reads them from anywhere."""
+    practice = yaml.safe_load(yaml.safe_dump(base))
+    entries = practice["spec"].get("fallback") or []
+    for entry in entries:
+        for key in ("names_file", "report"):
+            if entry.get(key):
+                entry[key] = str((base_dir / entry[key]).resolve())
+    for scheme in ("W8A8_DYNAMIC", "W8A8_MXFP8", "FLOAT"):
+        names = sorted(n for n, s in fallback.items() if s == scheme)
+        if names:
+            entries.append({"to": scheme, "names": names})
+    practice["spec"]["fallback"] = entries
+    return practice
+
+
+def tune(args: TuneArgs) -> TuneResult:
+    from msmodelslim.eval import evaluate
+
+    _check(args)
+    entry = load_registry().resolve(args.model_type)
+    chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path, tags=args.tags)
+    base = yaml.safe_load(chosen.path.read_text(encoding="utf-8"))
+    save_path = Path(args.save_path).expanduser().absolute()
+    rounds_dir = save_path.parent / f".{save_path.name}.tune"
+    if rounds_dir.exists():
+        raise UserError(f"--save_path {save_path}: {rounds_dir} exists (another tune of this output, or one that "
+                        f"was killed); remove it first")
+    eval_device = str(parse_device(args.device).torch_device(0))
+    result = TuneResult()
+    fallback: dict[str, str] = {}
+    with sigterm_raises():
+        rounds_dir.mkdir(parents=True)
+        try:
+            for index in range(args.max_rounds):
+                practice_file = rounds_dir / f"round{index}.yaml"
+                practice_file.write_text(yaml.safe_dump(_practice_with(base, chosen.path.parent, fallback),
+                                                        sort_keys=False), encoding="utf-8")
+                output = rounds_dir / f"round{index}"
+                quant(QuantArgs(model_path=args.model_path, save_path=str(output), model_type=args.model_type,
+                                device=args.device, config_path=str(practice_file),
+                                trust_remote_code=args.trust_remote_code))
+                measured = evaluate(args.model_path, output, args.dataset, device=eval_device, seq_len=args.seq_len,
+                                    max_windows=args.max_windows, trust_remote_code=args.trust_remote_code,
+                                    model_type=args.model_type)
+                done = Round(index, dict(fallback), measured["ppl_orig"], measured["ppl_quant"],
+                             measured["delta_pct"], output)
+                result.rounds.append(done)
+                moved = {s: sum(v == s for v in fallback.values()) for s in sorted(set(fallback.values()))}
+                logger.info("tune round %d: %s: perplexity %.4f -> %.4f (%+.2f%%, target %.2f%%)", index,
+                            ", ".join(f"{n} linears {s}" for s, n in moved.items()) or "the practice as it is",
+                            done.ppl_orig, done.ppl_quant, done.delta_pct, args.target_ppl_delta)
+                if done.delta_pct <= args.target_ppl_delta:
+                    result.reached = True
+                    break
+                if index + 1 < args.max_rounds:
+                    fallback = _step_up(output, fallback, args.step)
+            # the round that met the target, else the best one
+            result.chosen = result.rounds[-1] if result.reached else min(result.rounds, key=lambda r: r.delta_pct)
+            if save_path.is_dir():
+                save_path.rmdir()
+            os.rename(result.chosen.output, save_path)
+            result.save_path = save_path
+        finally:
+            shutil.rmtree(rounds_dir, ignore_errors=True)
+    return result
+
+
+def _step_up(output: Path, fallback: dict[str, str], step: float) -> dict[str, str]:
+    """`fallback` with the next worst linears of `output`'s report moved one step up (module docstring)."""
+    report = read_report(output / REPORT_FILE)["linears"]
+    count = max(1, math.ceil(len(report) * step / 100))
+    worst = [name for name, _ in ranked(report)][:count]
+    if not worst:
+        raise UserError(f"{output / REPORT_FILE}: no quantized linear has an error to rank; nothing to fall back")
+    out = dict(fallback)
+    for name in worst:
+        out[name] = next_scheme(report[name]["scheme"])
+    return out
