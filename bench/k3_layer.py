@@ -67,6 +67,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")
+    p.add_argument("--report-overhead", action="store_true",
+                   help="after the runs, warm runs without and with the quant report, alternating (2 each): the "
+                        "report's share of the layer")
     args = p.parse_args()
 
     model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
@@ -83,6 +86,15 @@ def main() -> None:
                                  args.max_seq_len)
     runs = [run_quant(model, BENCH_OUT / "Kimi-K3-layer-w4a8", args.device, practice) for _ in range(args.runs)]
     warm = runs[-1]["ranks"][0]
+    overhead = {}
+    if args.report_overhead:  # alternating, so drift hits both sides alike
+        out = BENCH_OUT / "Kimi-K3-layer-w4a8"
+        walls: dict[str, list[float]] = {"without": [], "with": []}
+        for _ in range(2):
+            for side, env in (("without", {"MSMODELSLIM_BENCH_NO_REPORT": "1"}), ("with", {})):
+                walls[side].append(run_quant(model, out, args.device, practice, extra_env=env)["ranks"][0]["runner_wall"])
+        best = {side: min(v) for side, v in walls.items()}
+        overhead = {"runner_wall_s": walls, "overhead_pct": round(100 * (best["with"] / best["without"] - 1), 2)}
     meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb", "ascend_ops_checked")
     stages = {k: round(v, 2) for k, v in warm.items() if k not in meta}
     layer_s = warm["runner_wall"]  # the vision (1 tiny block), embed and head (vocab 4096) units take ~no time
@@ -104,6 +116,7 @@ def main() -> None:
         "projected_model_hours_per_rank": round(layer_s * args.layers / 3600, 2),
         "projected_peak_device_gb_per_rank": round(warm.get("peak_device_gb", 0.0), 2),
         "fits_64gb_device": warm.get("peak_device_gb", 0.0) < DEVICE_MEMORY_GB,
+        "report_overhead": overhead,
     }
     print_result(result)
 

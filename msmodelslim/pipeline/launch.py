@@ -44,6 +44,7 @@ from msmodelslim.pipeline.resume import ResumeState
 logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
+NO_REPORT_ENV = "MSMODELSLIM_BENCH_NO_REPORT"  # "1": no quant report (benchmarks time the report's cost with it)
 RENDEZVOUS_TIMEOUT_ENV = "MSMODELSLIM_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait for each other at start
 DEFAULT_RENDEZVOUS_TIMEOUT = 600.0  # ranks importing torch_npu on a busy host can take minutes to arrive
 _STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to die before it is killed
@@ -192,7 +193,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
-        report = QuantReport(adapter, dist, source_identity(request.model_path), request.work_dir)
+        report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
+            QuantReport(adapter, dist, source_identity(request.model_path), request.work_dir)
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
                                  resume=None if request.report_only else ResumeState(request.work_dir),
                                  resume_after=request.resume_after,

@@ -1,0 +1,213 @@
+"""The quant report's ranking against measured errors, and what falling back by it buys (issue 33), on
+kimi-linear-mini with an aggressive practice: min/max W4A8_DYNAMIC on every linear the shipped W4A8 practice
+quantizes, no QuaRot, no smoothing.
+
+1. Ranking. One run with two bench-only steps around linear_quant: `bench_stash` keeps each linear's float weight,
+   `bench_measure` forwards the quantized unit over the calibration samples and measures each quantized linear's
+   relative output error exactly, ||QuantLinear(X) - X W^T||^2 / ||X W^T||^2, on the inputs the report's observers
+   see next (the runner's own forward). Spearman's rho of the report's `error` against it, over every quantized
+   linear (target >= 0.8).
+2. Fallback. The top 10 % of the quantized linears by the report, and 10 % chosen at random (seed 0), go to
+   W8A8_DYNAMIC through `spec.fallback` (fused groups move whole: the moved counts are printed); the perplexity
+   delta each recovers (target: the report's >= half, and more than random's).
+3. A planted outlier: a copy of the checkpoint with one column of layers.5's o_proj times 30 must rank first by the
+   report of an `analyze` run.
+4. `tune --target_ppl_delta 1.0` from the aggressive practice: rounds and deltas (target: <= 1.0 % in <= 4 rounds).
+
+    python bench/sensitivity.py [--windows 16] [--skip-tune]
+
+Last line: JSON with rho, the three deltas, the recovered fractions, the outlier's rank and the tune rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHARED, machine, print_result  # noqa: E402
+
+from msmodelslim.app.analyze import AnalyzeArgs, analyze  # noqa: E402
+from msmodelslim.app.quant import QuantArgs, quant  # noqa: E402
+from msmodelslim.app.tune import TuneArgs, tune  # noqa: E402
+from msmodelslim.core.report import REPORT_FILE, ranked  # noqa: E402
+from msmodelslim.eval import evaluate  # noqa: E402
+from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor  # noqa: E402
+from msmodelslim.quant.modules import QuantLinear  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MINI = SHARED / "models" / "kimi-linear-mini"
+TEXT = SHARED / "data" / "text" / "python_tutorial.txt"
+OUTLIER = "model.layers.5.self_attn.o_proj"  # checkpoint (source) name of the planted outlier
+MEASURED: dict[str, tuple[float, float]] = {}  # checkpoint name -> (error sum, reference sum)
+_STASH: dict[str, torch.Tensor] = {}
+
+
+@register_processor("bench_stash", ProcessorConfig)
+class Stash(Processor):
+    """Keeps every linear's float weight of the unit (live name -> float32 copy)."""
+
+    def process_unit(self, ctx: Any) -> None:
+        _STASH.clear()
+        for name, mod in ctx.module.named_modules():
+            if isinstance(mod, nn.Linear):
+                _STASH[name] = mod.weight.detach().float().clone()
+
+
+@register_processor("bench_measure", ProcessorConfig)
+class Measure(Processor):
+    """The exact relative output error of every quantized linear over one forward of the quantized unit."""
+
+    def process_unit(self, ctx: Any) -> None:
+        handles = []
+        for name, mod in ctx.module.named_modules():
+            if isinstance(mod, QuantLinear) and name in _STASH:
+                key = ctx.adapter.checkpoint_name(ctx.unit, name)
+
+                def hook(_m: nn.Module, args: tuple, out: torch.Tensor, key: str = key, w: Any = _STASH[name]) -> None:
+                    x = args[0].detach().float()
+                    ref = x @ w.t()
+                    err, total = MEASURED.get(key, (0.0, 0.0))
+                    MEASURED[key] = (err + float((out.float() - ref).square().sum()), total + float(ref.square().sum()))
+
+                handles.append(mod.register_forward_hook(hook))
+        try:
+            ctx.run_samples()
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def aggressive_practice(dest: Path, bench_steps: bool, fallback: list[dict] | None = None,
+                        max_samples: int = 16) -> Path:
+    """The shipped kimi_linear_w4a8 cut down to min/max W4A8_DYNAMIC on every linear it quantizes."""
+    practice = yaml.safe_load((ROOT / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8.yaml").read_text())
+    quantizers = [s for s in practice["spec"]["process"] if s["type"] == "linear_quant"]
+    include = [g for q in quantizers for g in q["include"]]
+    exclude = sorted({g for q in quantizers for g in q.get("exclude", [])} - set(include))
+    step = {"type": "linear_quant", "include": include, "exclude": exclude,
+            "qconfig": {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+                        "weight": {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "minmax"}}}
+    process = ([{"type": "bench_stash"}] if bench_steps else []) + [step] + \
+        ([{"type": "bench_measure"}] if bench_steps else [])
+    practice["spec"]["process"] = process
+    practice["spec"]["max_samples"] = max_samples
+    practice["metadata"]["config_id"] = "kimi_linear_w4a8_minmax_everywhere"
+    if fallback:
+        practice["spec"]["fallback"] = fallback
+    dest.write_text(yaml.safe_dump(practice, sort_keys=False))
+    return dest
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v: list[float]) -> torch.Tensor:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = torch.empty(len(v), dtype=torch.float64)
+        for i, j in enumerate(order):
+            r[j] = i
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def planted_outlier(dest: Path) -> Path:
+    """A copy of the mini (shards linked) whose OUTLIER has one input column times 30."""
+    dest.mkdir()
+    index = json.loads((MINI / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][f"{OUTLIER}.weight"]
+    for f in MINI.iterdir():
+        if f.name != shard:
+            (dest / f.name).symlink_to(f)
+    tensors = load_file(str(MINI / shard))
+    w = tensors[f"{OUTLIER}.weight"].clone()
+    w[:, 7] *= 30
+    tensors[f"{OUTLIER}.weight"] = w
+    save_file(tensors, str(dest / shard), metadata={"format": "pt"})
+    return dest
+
+
+def run(work: Path, name: str, practice: Path) -> Path:
+    out = work / name
+    quant(QuantArgs(model_path=str(MINI), save_path=str(out), device="cpu", model_type="Kimi-Linear",
+                    config_path=str(practice)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--skip-tune", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sensitivity-"))
+    result: dict[str, Any] = {"bench": "sensitivity", "machine": machine(), "windows": args.windows}
+    try:
+        def ppl(out: Path) -> dict[str, float]:
+            return evaluate(MINI, out, TEXT, seq_len=512, max_windows=args.windows, model_type="Kimi-Linear")
+
+        t0 = time.perf_counter()
+        base = run(work, "base", aggressive_practice(work / "base.yaml", bench_steps=True))
+        result["quant_seconds"] = round(time.perf_counter() - t0, 1)
+        report = json.loads((base / REPORT_FILE).read_text())["linears"]
+        names = sorted(n for n in report if n in MEASURED and report[n]["error"] is not None)
+        measured = {n: MEASURED[n][0] / MEASURED[n][1] for n in names}
+        result["linears"] = len(names)
+        result["spearman_rho"] = round(spearman([report[n]["error"] for n in names], [measured[n] for n in names]), 4)
+        result["median_estimate_over_measured"] = round(float(torch.tensor(
+            [report[n]["error"] / measured[n] for n in names]).median()), 4)
+        base_eval = ppl(base)
+        result["ppl_float"], result["delta_pct_base"] = base_eval["ppl_orig"], base_eval["delta_pct"]
+
+        count = max(1, round(0.1 * len(names)))
+        top = [n for n, _ in ranked(report)][:count]
+        chosen = sorted(random.Random(0).sample(names, count))
+        for label, picked in (("report_top10", top), ("random10", chosen)):
+            practice = aggressive_practice(work / f"{label}.yaml", bench_steps=False,
+                                           fallback=[{"to": "W8A8_DYNAMIC", "names": picked}])
+            out = run(work, label, practice)
+            description = json.loads((out / "quant_model_description.json").read_text())
+            result[f"moved_{label}"] = sum(v == "W8A8_DYNAMIC" for v in description.values())
+            delta = ppl(out)["delta_pct"]
+            result[f"delta_pct_{label}"] = delta
+            result[f"recovered_{label}"] = round(1 - delta / base_eval["delta_pct"], 4)
+            shutil.rmtree(out)
+
+        planted = planted_outlier(work / "planted")
+        found = analyze(AnalyzeArgs(model_path=str(planted), model_type="Kimi-Linear", device="cpu",
+                                    config_path=str(aggressive_practice(work / "plain.yaml", bench_steps=False)),
+                                    top_k=5))
+        order = [n for n, _ in found.top]
+        target = f"{OUTLIER}".replace("model.", "model.", 1)
+        result["outlier_rank"] = next((i + 1 for i, n in enumerate(order) if n.endswith(target)), None)
+        result["outlier_top5"] = order
+
+        if not args.skip_tune:
+            t0 = time.perf_counter()
+            tuned = tune(TuneArgs(model_path=str(MINI), save_path=str(work / "tuned"), model_type="Kimi-Linear",
+                                  dataset=str(TEXT), target_ppl_delta=1.0, device="cpu",
+                                  config_path=str(aggressive_practice(work / "tune.yaml", bench_steps=False)),
+                                  max_rounds=4, step=5.0, max_windows=args.windows))
+            result["tune_seconds"] = round(time.perf_counter() - t0, 1)
+            result["tune_rounds"] = [{"round": r.index, "fallen_back": len(r.fallback), "delta_pct": r.delta_pct}
+                                     for r in tuned.rounds]
+            result["tune_reached"] = tuned.reached
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_result(result)
+
+
+if __name__ == "__main__":
+    main()
