@@ -143,6 +143,18 @@ def _check_expert_split(model_path: Path, config: dict[str, Any], device: Device
         )
 
 
+def _check_fallback_reports(chosen: ChosenPractice, model_path: Path) -> None:
+    """A fallback's report must come from this checkpoint: another one's linears rank nothing here."""
+    source = None
+    for i, fallback in enumerate(chosen.practice.spec.fallback):
+        if fallback.report_source is None:
+            continue
+        source = source or source_identity(model_path)
+        if fallback.report_source != source:
+            raise UserError(f"{chosen.path}: spec.fallback[{i}].report {fallback.report} is the quant report of "
+                            f"another checkpoint (its config / index hashes differ from {model_path}'s)")
+
+
 def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     """Every check that needs no model weights, in the order a user would fix them."""
     model_path = Path(args.model_path).expanduser().resolve()
@@ -179,6 +191,7 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
             f"{chosen.path}: spec.dataset {spec.dataset!r} has {len(records)} records, fewer than the "
             f"{device.world_size} devices of --device {args.device}"
         )
+    _check_fallback_reports(chosen, model_path)
     adapter_cls = entry.load_adapter_class()
     adapter_cls.check_config(config, model_path / "config.json", args.model_type)
     return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)

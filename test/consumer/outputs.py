@@ -49,3 +49,28 @@ def file_hashes(out: Path) -> dict[str, str]:
     """Relative path -> SHA-256 of every file of an output directory."""
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+# The mixed output of the fallback tests: one routed expert of layer 1 named to W8A8_DYNAMIC (its layer's experts move
+# with it), a KDA q_proj, an MLA q_a_proj and an o_proj named to FLOAT (their fused groups move with the first two).
+FALLBACK = [
+    {"to": "W8A8_DYNAMIC", "names": ["language_model.model.layers.1.block_sparse_moe.experts.3.w2"]},
+    {"to": "FLOAT", "names": ["language_model.model.layers.0.self_attn.q_proj",
+                              "language_model.model.layers.3.self_attn.q_a_proj",
+                              "language_model.model.layers.2.self_attn.o_proj"]},
+]
+
+
+def build_fallback_output(root: Path, tiny_k3: Path) -> Path:
+    """The tiny Kimi-K3 with the shipped W4A8C8 practice (shrunk, min/max weights) and FALLBACK."""
+    import yaml
+
+    practice = shrunken_practice(PRACTICES / "kimi_k3_w4a8c8.yaml", root / "tiny_k3_fallback.yaml", max_samples=2,
+                                 max_seq_len=64, plain_numerics=True)
+    data = yaml.safe_load(practice.read_text())
+    data["spec"]["fallback"] = FALLBACK
+    practice.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = root / "tiny_k3_fallback"
+    quant(QuantArgs(model_path=str(tiny_k3), save_path=str(out), device="cpu", model_type="Kimi-K3",
+                    config_path=str(practice), trust_remote_code=True))
+    return out

@@ -99,6 +99,25 @@ def test_every_tiny_kimi_k3_text_layer_resolves_to_the_practice_scheme(vllm_asce
     assert count > 30 and failures == [], "\n".join(failures)
 
 
+def test_a_fallback_output_resolves_every_layer_to_its_mixed_schemes(vllm_ascend, fallback_output):
+    """spec.fallback (test/consumer/outputs.py FALLBACK): the named linears and their fused groups changed scheme,
+    one scheme per serving layer, and vllm-ascend resolves every layer to what the description says."""
+    description = json.loads((fallback_output / "quant_model_description.json").read_text())
+    lm = "language_model.model.layers"
+    assert {v for k, v in description.items() if re.match(rf"{lm}\.1\..*experts\.\d+\.w[123]\.weight$", k)} \
+        == {"W8A8_DYNAMIC"}
+    assert {v for k, v in description.items() if re.match(rf"{lm}\.2\..*experts\.\d+\.w[123]\.weight$", k)} \
+        == {"W4A8_DYNAMIC"}
+    for member in ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj"):
+        assert description[f"{lm}.0.self_attn.{member}.weight"] == "FLOAT", member
+    for member in ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"):
+        assert description[f"{lm}.3.self_attn.{member}.weight"] == "FLOAT", member
+    assert description[f"{lm}.2.self_attn.o_proj.weight"] == "FLOAT"
+    assert description[f"{lm}.1.self_attn.o_proj.weight"] == "W8A8_DYNAMIC"
+    count, failures = lookup_failures(vllm_ascend, fallback_output, V033)
+    assert count > 30 and failures == [], "\n".join(failures)
+
+
 def mtp_drafter_layers(spec: dict, text: dict) -> list[tuple[str, str, str]]:
     """(drafter prefix, kind, our name of the same layer) of every layer vLLM's KimiK3MTP builds and looks up: the
     decoder block of MTP layer N+k at `model.layers.{N+k}.mtp_block.` (vllm 0.33 models/kimi_k3/nvidia/mtp.py:71-173,

@@ -48,7 +48,8 @@ def _first_moe(description: dict) -> str:
 def moe_layer(reader: AscendV1Reader, description: dict, method, suffixes: tuple[str, ...]):
     """(layer, MoE name, expert indices): a fused-MoE layer of `method`'s parameters (`get_weight` +
     `get_dynamic_quant_param`), the first MoE's expert tensors `suffixes` copied in as vLLM's FusedMoE loader does
-    (w1 -> first half of w13, w3 -> second half, w2 -> w2); every tensor must fit its slice in shape and dtype."""
+    (w1 -> first half of w13, w3 -> second half, w2 -> w2); every tensor must fit its slice in shape, and in dtype
+    or exactly in the parameter's dtype (the loader casts: W8A8 scales are bf16 values kept in fp32)."""
     moe = _first_moe(description)
     experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in description
                       if k.startswith(moe + ".experts.") and k.endswith(".w1.weight")})
@@ -65,7 +66,10 @@ def moe_layer(reader: AscendV1Reader, description: dict, method, suffixes: tuple
                 param = getattr(layer, f"{dst}_{suffix}").data[e]
                 if half is not None:
                     param = param.narrow(0, half * src.shape[0], src.shape[0])
-                assert param.shape == src.shape and param.dtype == src.dtype, (w, suffix, param.shape, src.shape)
+                assert param.shape == src.shape, (w, suffix, param.shape, src.shape)
+                # the loader copies into the parameter's dtype: a different dtype must hold our values exactly
+                assert param.dtype == src.dtype or torch.equal(src.to(param.dtype).to(src.dtype), src), \
+                    (w, suffix, param.dtype, src.dtype)
                 param.copy_(src)
     return layer, moe, experts
 
@@ -119,3 +123,20 @@ def test_w8a8_linear_after_loading_equals_our_dequantised_weight(vllm_ascend, ou
         method.process_weights_after_loading(layer)
         theirs = layer.weight.data.t().to(torch.float32) * layer.weight_scale_fp32[:, None]
         assert torch.equal(theirs, reader.get(f"{name}.weight", dtype=torch.float32)), name
+
+
+def test_a_fallback_w8a8_fused_moe_takes_our_expert_tensors(vllm_ascend, fallback_output):
+    """The experts spec.fallback moved to W8A8_DYNAMIC (layer 1, the first MoE) fill vllm-ascend's W8A8_DYNAMIC
+    fused-MoE parameters slice by slice, shape and dtype (moe_layer's checks), and the int8 weights copied in are
+    our integers (exact)."""
+    reader = AscendV1Reader(fallback_output)
+    description = json.loads((fallback_output / "quant_model_description.json").read_text())
+    config = vllm_ascend.AscendModelSlimConfig(dict(description))
+    ascend.set_vllm_config("kimi_k3", config)
+    from vllm_ascend.quantization.methods.w8a8_dynamic import AscendW8A8DynamicFusedMoEMethod
+
+    layer, moe, experts = moe_layer(reader, description, AscendW8A8DynamicFusedMoEMethod(),
+                                    ("weight", "weight_scale", "weight_offset"))
+    assert moe.endswith("layers.1.block_sparse_moe")
+    for i, e in enumerate(experts):
+        assert torch.equal(layer.w2_weight.data[i], _tensor(reader, f"{moe}.experts.{e}.w2.weight"))
