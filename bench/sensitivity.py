@@ -1,22 +1,24 @@
 """The quant report's ranking against measured errors, and what falling back by it buys (issue 33), on
-kimi-linear-mini with an aggressive practice: min/max W4A8_DYNAMIC on every linear the shipped W4A8 practice
-quantizes, no QuaRot, no smoothing.
+kimi-linear-mini with an aggressive practice: min/max W4A4_DYNAMIC (`--act int8`: W4A8_DYNAMIC) on every linear the
+shipped W4A8 practice quantizes, no QuaRot, no smoothing.
 
 1. Ranking. One run with two bench-only steps around linear_quant: `bench_stash` keeps each linear's float weight,
    `bench_measure` forwards the quantized unit over the calibration samples and measures each quantized linear's
    relative output error exactly, ||QuantLinear(X) - X W^T||^2 / ||X W^T||^2, on the inputs the report's observers
    see next (the runner's own forward). Spearman's rho of the report's `error` against it, over every quantized
    linear (target >= 0.8).
-2. Fallback. The top 10 % of the quantized linears by the report, and 10 % chosen at random (seed 0), go to
-   W8A8_DYNAMIC through `spec.fallback` (fused groups move whole: the moved counts are printed); the perplexity
-   delta each recovers (target: the report's >= half, and more than random's).
+2. Fallback. 10 % of the quantized linears go to W8A8_DYNAMIC through `spec.fallback`, each with its fused serving
+   group (a layer's 48 routed experts, q/k/v/...): the report's worst (`report` + `top_k`), and random orders of
+   the linears through the same budget (seeds 0-2); the perplexity delta each recovers (target: the report's >=
+   half, and more than random's).
 3. A planted outlier: a copy of the checkpoint with one column of layers.5's o_proj times 30 must rank first by the
    report of an `analyze` run.
-4. `tune --target_ppl_delta 1.0` from the aggressive practice: rounds and deltas (target: <= 1.0 % in <= 4 rounds).
+4. `tune --target_ppl_delta 1.0 --step 40` from min/max W4A8_DYNAMIC everywhere (`--tune-act`, `--tune-step`): rounds
+   and deltas (target: <= 1.0 % in <= 4 rounds).
 
-    python bench/sensitivity.py [--windows 16] [--skip-tune]
+    python bench/sensitivity.py [--windows 16] [--act int4|int8] [--skip-tune]
 
-Last line: JSON with rho, the three deltas, the recovered fractions, the outlier's rank and the tune rounds.
+Last line: JSON with rho, the deltas and recovered fractions, the outlier's rank and the tune rounds.
 """
 
 from __future__ import annotations
@@ -42,15 +44,19 @@ from common import SHARED, machine, print_result  # noqa: E402
 from msmodelslim.app.analyze import AnalyzeArgs, analyze  # noqa: E402
 from msmodelslim.app.quant import QuantArgs, quant  # noqa: E402
 from msmodelslim.app.tune import TuneArgs, tune  # noqa: E402
-from msmodelslim.core.report import REPORT_FILE, ranked  # noqa: E402
+from msmodelslim.core.report import REPORT_FILE  # noqa: E402
 from msmodelslim.eval import evaluate  # noqa: E402
+from msmodelslim.model.registry import resolve_model_type  # noqa: E402
 from msmodelslim.processor.base import Processor, ProcessorConfig, register_processor  # noqa: E402
+from msmodelslim.processor.fallback import serving_groups, worst_within  # noqa: E402
 from msmodelslim.quant.modules import QuantLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI = SHARED / "models" / "kimi-linear-mini"
 TEXT = SHARED / "data" / "text" / "python_tutorial.txt"
 OUTLIER = "model.layers.5.self_attn.o_proj"  # checkpoint (source) name of the planted outlier
+ACT_DTYPE = "int4"  # the aggressive practice's activations (--act)
+RANDOM_SEEDS = 3
 MEASURED: dict[str, tuple[float, float]] = {}  # checkpoint name -> (error sum, reference sum)
 _STASH: dict[str, torch.Tensor] = {}
 
@@ -98,13 +104,14 @@ def aggressive_practice(dest: Path, bench_steps: bool, fallback: list[dict] | No
     include = [g for q in quantizers for g in q["include"]]
     exclude = sorted({g for q in quantizers for g in q.get("exclude", [])} - set(include))
     step = {"type": "linear_quant", "include": include, "exclude": exclude,
-            "qconfig": {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+            "qconfig": {"act": {"scope": "per_token", "dtype": ACT_DTYPE, "symmetric": True, "method": "minmax"},
                         "weight": {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "minmax"}}}
     process = ([{"type": "bench_stash"}] if bench_steps else []) + [step] + \
         ([{"type": "bench_measure"}] if bench_steps else [])
     practice["spec"]["process"] = process
     practice["spec"]["max_samples"] = max_samples
-    practice["metadata"]["config_id"] = "kimi_linear_w4a8_minmax_everywhere"
+    practice["metadata"]["config_id"] = f"kimi_linear_w4a{ACT_DTYPE[-1]}_minmax_everywhere"
+    practice["metadata"]["label"]["a_bit"] = int(ACT_DTYPE[-1])
     if fallback:
         practice["spec"]["fallback"] = fallback
     dest.write_text(yaml.safe_dump(practice, sort_keys=False))
@@ -140,6 +147,14 @@ def planted_outlier(dest: Path) -> Path:
     return dest
 
 
+def fused_groups() -> dict[str, list[str]]:
+    adapter = resolve_model_type("Kimi-Linear").load_adapter_class()(MINI)
+    try:
+        return serving_groups(adapter.fused_groups())
+    finally:
+        adapter.close()
+
+
 def run(work: Path, name: str, practice: Path) -> Path:
     out = work / name
     quant(QuantArgs(model_path=str(MINI), save_path=str(out), device="cpu", model_type="Kimi-Linear",
@@ -151,9 +166,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--skip-tune", action="store_true")
+    parser.add_argument("--tune-act", choices=["int4", "int8"], default="int8", help="tune starts from min/max W4A<bits>")
+    parser.add_argument("--tune-step", type=float, default=40.0, help="tune's --step (percent of linears per round)")
+    parser.add_argument("--act", choices=["int4", "int8"], default="int4", help="the aggressive practice's activations")
     args = parser.parse_args()
+    global ACT_DTYPE
+    ACT_DTYPE = args.act
     work = Path(tempfile.mkdtemp(prefix="sensitivity-"))
-    result: dict[str, Any] = {"bench": "sensitivity", "machine": machine(), "windows": args.windows}
+    result: dict[str, Any] = {"bench": "sensitivity", "machine": machine(), "windows": args.windows,
+                              "practice": f"min/max W4A{args.act[-1]}_DYNAMIC on every linear of kimi_linear_w4a8"}
     try:
         def ppl(out: Path) -> dict[str, float]:
             return evaluate(MINI, out, TEXT, seq_len=512, max_windows=args.windows, model_type="Kimi-Linear")
@@ -171,37 +192,45 @@ def main() -> None:
         base_eval = ppl(base)
         result["ppl_float"], result["delta_pct_base"] = base_eval["ppl_orig"], base_eval["delta_pct"]
 
-        count = max(1, round(0.1 * len(names)))
-        top = [n for n, _ in ranked(report)][:count]
-        chosen = sorted(random.Random(0).sample(names, count))
-        for label, picked in (("report_top10", top), ("random10", chosen)):
-            practice = aggressive_practice(work / f"{label}.yaml", bench_steps=False,
-                                           fallback=[{"to": "W8A8_DYNAMIC", "names": picked}])
-            out = run(work, label, practice)
-            description = json.loads((out / "quant_model_description.json").read_text())
-            result[f"moved_{label}"] = sum(v == "W8A8_DYNAMIC" for v in description.values())
+        # 10 % of the quantized linears may move, each with its fused serving group (processor/fallback.py)
+        budget = max(1, round(0.1 * len(report)))
+        groups = fused_groups()
+        linears = sorted(report)
+        picks = {"report_top10": [{"to": "W8A8_DYNAMIC", "report": str(base / REPORT_FILE), "top_k": budget}]}
+        for seed in range(RANDOM_SEEDS):
+            order = random.Random(seed).sample(linears, len(linears))
+            picks[f"random10_s{seed}"] = [{"to": "W8A8_DYNAMIC",
+                                          "names": sorted(worst_within(order, groups, set(linears), budget))}]
+        result["budget_linears"] = budget
+        for label, fallback in picks.items():
+            out = run(work, label, aggressive_practice(work / f"{label}.yaml", bench_steps=False, fallback=fallback))
+            moved = json.loads((out / REPORT_FILE).read_text())["linears"]
+            result[f"moved_{label}"] = sum(e["scheme"] == "W8A8_DYNAMIC" for e in moved.values())
             delta = ppl(out)["delta_pct"]
-            result[f"delta_pct_{label}"] = delta
+            result[f"delta_pct_{label}"] = round(delta, 3)
             result[f"recovered_{label}"] = round(1 - delta / base_eval["delta_pct"], 4)
             shutil.rmtree(out)
+        randoms = [result[f"recovered_random10_s{seed}"] for seed in range(RANDOM_SEEDS)]
+        result["recovered_random10_mean"] = round(sum(randoms) / len(randoms), 4)
 
         planted = planted_outlier(work / "planted")
         found = analyze(AnalyzeArgs(model_path=str(planted), model_type="Kimi-Linear", device="cpu",
                                     config_path=str(aggressive_practice(work / "plain.yaml", bench_steps=False)),
                                     top_k=5))
         order = [n for n, _ in found.top]
-        target = f"{OUTLIER}".replace("model.", "model.", 1)
-        result["outlier_rank"] = next((i + 1 for i, n in enumerate(order) if n.endswith(target)), None)
+        result["outlier_rank"] = next((i + 1 for i, n in enumerate(order) if n == OUTLIER), None)
         result["outlier_top5"] = order
 
         if not args.skip_tune:
+            ACT_DTYPE = args.tune_act
+            start = aggressive_practice(work / "tune.yaml", bench_steps=False)
             t0 = time.perf_counter()
             tuned = tune(TuneArgs(model_path=str(MINI), save_path=str(work / "tuned"), model_type="Kimi-Linear",
-                                  dataset=str(TEXT), target_ppl_delta=1.0, device="cpu",
-                                  config_path=str(aggressive_practice(work / "tune.yaml", bench_steps=False)),
-                                  max_rounds=4, step=5.0, max_windows=args.windows))
+                                  dataset=str(TEXT), target_ppl_delta=1.0, device="cpu", config_path=str(start),
+                                  max_rounds=4, step=args.tune_step, max_windows=args.windows))
+            result["tune_start"] = f"min/max W4A{args.tune_act[-1]}_DYNAMIC, --step {args.tune_step:g}"
             result["tune_seconds"] = round(time.perf_counter() - t0, 1)
-            result["tune_rounds"] = [{"round": r.index, "fallen_back": len(r.fallback), "delta_pct": r.delta_pct}
+            result["tune_rounds"] = [{"round": r.index, "fallen_back": len(r.fallback), "delta_pct": round(r.delta_pct, 3)}
                                      for r in tuned.rounds]
             result["tune_reached"] = tuned.reached
     finally:

@@ -288,6 +288,10 @@ def _check_label_kept(work_dir: Path, chosen: ChosenPractice) -> None:
                       if (s.weight.bits, s.act.bits if s.act else 16) == (label.w_bit, label.a_bit))
     description = json.loads((work_dir / DESCRIPTION_FILE).read_text(encoding="utf-8"))
     if not set(promised) & {v for v in description.values() if isinstance(v, str)}:
+        if chosen.practice.spec.fallback:  # asked for: the fallback moved every linear of the label's schemes
+            logger.warning("%s: labelled %s, but its spec.fallback moved every %s linear to a higher precision",
+                           chosen.path, chosen.practice.quant_type, " / ".join(promised))
+            return
         raise UserError(f"{chosen.path}: the practice is labelled {chosen.practice.quant_type}, but it quantized no "
                         f"tensor {' or '.join(promised) or '(no scheme has these bits)'} (check the include / "
                         f"exclude globs of its quantizers)")

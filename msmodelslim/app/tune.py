@@ -2,10 +2,10 @@
 
 msModelSlim's acceptance loop as one command. Round 0 quantizes with the practice; each round evaluates the output's
 perplexity against the original (`msmodelslim eval` on `--dataset`) and, while the relative increase is above
-`--target_ppl_delta` percent, moves the linears with the largest report `error` (quant_report.json of that round,
-`--step` percent of the quantized linears per round) one step up: a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or
-W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of a fused serving layer moves its whole group
-(processor/fallback.py). Each round's practice is the original with an explicit `spec.fallback`, so it is
+`--target_ppl_delta` percent, moves the linears with the largest report `error` (quant_report.json of that round)
+one step up: a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of
+a fused serving layer moves its whole group, and at most `--step` percent of the quantized linears move per round
+(processor/fallback.py `worst_within`). Each round's practice is the original with an explicit `spec.fallback`, so it is
 self-contained; the round that meets the target (or, with `--max_rounds` spent, the best one) is published at
 `--save_path` with that practice beside it. Rounds are built in `.<name>.tune/` beside the output, removed at the
 end, on a failure and on SIGINT / SIGTERM.
@@ -32,6 +32,7 @@ from msmodelslim.core.device import parse_device
 from msmodelslim.core.report import REPORT_FILE, ranked, read_report
 from msmodelslim.errors import UserError
 from msmodelslim.model.registry import load_registry
+from msmodelslim.processor.fallback import serving_groups, worst_within
 from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class TuneArgs:
     trust_remote_code: bool = False
     tags: tuple[str, ...] = ()
     max_rounds: int = 4  # quantizations, the first included
-    step: float = 5.0  # percent of the quantized linears moved up per round
+    step: float = 10.0  # percent of the quantized linears moved up per round
     seq_len: int = 512
     max_windows: int | None = 32
 
@@ -130,6 +131,7 @@ def tune(args: TuneArgs) -> TuneResult:
     eval_device = str(parse_device(args.device).torch_device(0))
     result = TuneResult()
     fallback: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
     with sigterm_raises():
         rounds_dir.mkdir(parents=True)
         try:
@@ -155,7 +157,8 @@ def tune(args: TuneArgs) -> TuneResult:
                     result.reached = True
                     break
                 if index + 1 < args.max_rounds:
-                    fallback = _step_up(output, fallback, args.step)
+                    groups = groups or _groups(entry.load_adapter_class(), args.model_path, args.trust_remote_code)
+                    fallback = _step_up(output, fallback, args.step, groups)
             # the round that met the target, else the best one
             result.chosen = result.rounds[-1] if result.reached else min(result.rounds, key=lambda r: r.delta_pct)
             if save_path.is_dir():
@@ -167,14 +170,24 @@ def tune(args: TuneArgs) -> TuneResult:
     return result
 
 
-def _step_up(output: Path, fallback: dict[str, str], step: float) -> dict[str, str]:
-    """`fallback` with the next worst linears of `output`'s report moved one step up (module docstring)."""
+def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[str, list[str]]) -> dict[str, str]:
+    """`fallback` with the next worst linears of `output`'s report moved one step up, with their fused groups, at
+    most `step` percent of the quantized linears (module docstring)."""
     report = read_report(output / REPORT_FILE)["linears"]
-    count = max(1, math.ceil(len(report) * step / 100))
-    worst = [name for name, _ in ranked(report)][:count]
+    budget = max(1, math.ceil(len(report) * step / 100))
+    worst = worst_within([name for name, _ in ranked(report)], groups, set(report), budget)
     if not worst:
         raise UserError(f"{output / REPORT_FILE}: no quantized linear has an error to rank; nothing to fall back")
     out = dict(fallback)
     for name in worst:
         out[name] = next_scheme(report[name]["scheme"])
     return out
+
+
+def _groups(adapter_cls: type, model_path: str, trust_remote_code: bool) -> dict[str, list[str]]:
+    """The fused serving groups of the model, from its skeleton (no weight read)."""
+    adapter = adapter_cls(Path(model_path), trust_remote_code=trust_remote_code)
+    try:
+        return serving_groups(adapter.fused_groups())
+    finally:
+        adapter.close()

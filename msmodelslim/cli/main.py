@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--target_ppl_delta", type=float, required=True, metavar="PCT",
                       help="accept a quantization whose perplexity is at most PCT %% above the original's")
     tune.add_argument("--max_rounds", type=int, default=4, help="quantizations at most, the first included (4)")
-    tune.add_argument("--step", type=float, default=5.0, metavar="PCT",
-                      help="percent of the quantized linears moved up per round (5)")
+    tune.add_argument("--step", type=float, default=10.0, metavar="PCT",
+                      help="percent of the quantized linears moved up per round, with their fused groups (10)")
     tune.add_argument("--seq_len", type=int, default=512, help="tokens per perplexity window (512)")
     tune.add_argument("--max_windows", type=int, default=32, help="perplexity windows (32)")
     _common(tune)

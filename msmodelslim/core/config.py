@@ -368,8 +368,9 @@ FallbackScheme = Literal["FLOAT", "W8A8_DYNAMIC", "W8A8_MXFP8"]
 class FallbackConfig(StrictConfig):
     """One `spec.fallback` item: linears kept in higher precision than the practice's quantizers give them
     (processor/fallback.py). They are named by checkpoint-name globs (`names`), a file of them (`names_file`: a YAML
-    list, or the `disable_names` of `msmodelslim analyze --save_path`), or the `top_k` worst by `metric` of a quant
-    report of the same checkpoint (`report`); files are relative to the practice."""
+    list, or the `disable_names` of `msmodelslim analyze --save_path`), or by a quant report of the same checkpoint
+    (`report`): its worst linears by `metric`, each with its fused serving group, as long as at most `top_k` linears
+    move. Files are relative to the practice."""
 
     to: FallbackScheme
     names: list[str] = field(default_factory=list)
@@ -377,7 +378,8 @@ class FallbackConfig(StrictConfig):
     report: str | None = None
     metric: ReportMetric = "error"
     top_k: int | None = None
-    globs: list[str] = field(default_factory=list, init=False)  # every name, once the files are read (`load`)
+    globs: list[str] = field(default_factory=list, init=False)  # names and names_file, once read (`load`)
+    ranking: list[str] = field(default_factory=list, init=False)  # the report's linears, worst first
     report_source: dict[str, str] | None = field(default=None, init=False)  # the report's checkpoint identity
 
     def validate(self) -> None:
@@ -389,7 +391,8 @@ class FallbackConfig(StrictConfig):
             raise ValueError(f"top_k: must be a positive integer, got {self.top_k}")
 
     def load(self, base: Path, path: str) -> None:
-        """Read `names_file` and `report` (relative to `base`) into `globs`; SchemaError naming the file."""
+        """Read `names_file` into `globs` and `report` into `ranking` (relative to `base`); SchemaError naming the
+        file."""
         self.globs = list(self.names)
         if self.names_file is not None:
             file = base / self.names_file
@@ -408,7 +411,7 @@ class FallbackConfig(StrictConfig):
             except UserError as exc:
                 raise SchemaError(_join(path, "report"), str(exc)) from None
             self.report_source = report["source"]
-            self.globs += [name for name, _ in ranked(report["linears"], self.metric)[:self.top_k]]
+            self.ranking = [name for name, _ in ranked(report["linears"], self.metric)]
 
 
 @dataclass

@@ -11,8 +11,9 @@ linears (core/config.py `FallbackConfig`: globs, a names file, or the top k of a
 
 Only linears the practice quantizes move; a glob that reaches none of them is an error. The serving engine runs a
 fused group (q/k/v, gate/up, a layer's routed experts) as one layer with one scheme, so a member moves its whole
-group, and the log says how many linears moved for how many named. FLOAT wins over a W8A8 fallback of the same
-linear.
+group, and the log says how many linears moved for how many named. A report's `top_k` is a budget of linears: its
+worst linears are taken with their groups, worst first, and a group that would pass the budget is skipped for the
+next (`worst_within`, which `msmodelslim tune` uses too). FLOAT wins over a W8A8 fallback of the same linear.
 """
 
 from __future__ import annotations
@@ -42,7 +43,26 @@ _DEFAULT_QCONFIG = {
 }
 
 
-def _chosen(entry: FallbackConfig, index: int, quantized: list[str]) -> set[str]:
+def serving_groups(fused: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
+    """Linear -> the members of the fused serving layer it is in, of `adapter.fused_groups()` (linears in no group
+    are absent)."""
+    return {shard: shards for _, shards in fused for shard in shards}
+
+
+def worst_within(ranking: list[str], groups: dict[str, list[str]], movable: set[str], budget: int) -> set[str]:
+    """The linears of `ranking` (worst first) that move, each with the movable members of its fused group, as long as
+    at most `budget` linears move in all: a group that would pass the budget is skipped for the next one."""
+    chosen: set[str] = set()
+    for name in ranking:
+        if name in chosen or name not in movable:
+            continue
+        group = {m for m in groups.get(name, [name]) if m in movable}
+        if len(chosen) + len(group) <= budget:
+            chosen |= group
+    return chosen
+
+
+def _chosen(entry: FallbackConfig, index: int, quantized: list[str], groups: dict[str, list[str]]) -> set[str]:
     """The quantized linears `entry` names; a glob that names none of them is an error."""
     chosen: set[str] = set()
     for glob in entry.globs:
@@ -51,15 +71,21 @@ def _chosen(entry: FallbackConfig, index: int, quantized: list[str]) -> set[str]
             raise UserError(f"spec.fallback[{index}]: {glob!r} names none of the model's {len(quantized)} quantized "
                             f"linears (checkpoint names without .weight, e.g. {quantized[len(quantized) // 2]})")
         chosen.update(hits)
+    if entry.report is not None:
+        picked = worst_within(entry.ranking, groups, set(quantized), entry.top_k)
+        if not picked:
+            raise UserError(f"spec.fallback[{index}]: the report {entry.report} ranks none of the model's "
+                            f"{len(quantized)} quantized linears within top_k {entry.top_k}")
+        chosen |= picked
     return chosen
 
 
-def _with_groups(chosen: set[str], adapter: Any) -> list[str]:
+def _with_groups(chosen: set[str], fused: list[tuple[str, list[str]]]) -> list[str]:
     """`chosen` and every other member of a fused group one of them is in, as globs: a group whose shards all sit
     under its fused name (a layer's experts) as one `<group>.*`, other shards by name."""
     globs: set[str] = set()
     grouped: set[str] = set()
-    for group, shards in adapter.fused_groups():
+    for group, shards in fused:
         if not chosen.intersection(shards):
             continue
         grouped.update(shards)
@@ -77,12 +103,14 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
         return processors
     planned = planned_configs(processors, adapter)
     quantized = sorted(name for name, cfg in planned.items() if cfg is not None)
+    fused = adapter.fused_groups()
+    groups = serving_groups(fused)
     quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
     to_float: list[str] = []
     higher: list[tuple[str, list[str]]] = []  # (scheme, globs)
     for i, entry in enumerate(entries):
-        chosen = _chosen(entry, i, quantized)
-        globs = _with_groups(chosen, adapter)
+        chosen = _chosen(entry, i, quantized, groups)
+        globs = _with_groups(chosen, fused)
         moved = sum(1 for name in quantized if matching(name, globs))
         logger.info("spec.fallback[%d]: %d linears to %s (%d named, the rest share a fused serving layer with one)",
                     i, moved, entry.to, len(chosen))

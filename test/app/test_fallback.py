@@ -84,6 +84,21 @@ def test_a_reports_top_k_fall_back_its_worst_linears(adapter, tiny_k3_checkpoint
     assert got[worst] == "FLOAT" and got[second] == "W8A8_DYNAMIC"
 
 
+def test_a_reports_top_k_is_a_budget_of_linears_with_their_groups(adapter, tiny_k3_checkpoint, tmp_path):
+    """The worst linear is a routed expert, whose layer's experts (more than top_k) move together: that group is
+    skipped, and the next worst linears fill the budget with their groups."""
+    expert, o_proj, q_proj = (f"{LM}.1.block_sparse_moe.experts.3.w2", f"{LM}.2.self_attn.o_proj",
+                              f"{LM}.0.self_attn.q_proj")
+    report = {"version": 1, "source": source_identity(tiny_k3_checkpoint), "linears": {
+        expert: {"error": 0.9}, o_proj: {"error": 0.5}, q_proj: {"error": 0.4}}}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    plain = schemes(adapter, practice_with(tmp_path, []))
+    got = schemes(adapter, practice_with(tmp_path, [{"to": "FLOAT", "report": "r.json", "top_k": 7}]))
+    changed = {n for n in plain if plain[n] != got[n]}
+    assert changed == {o_proj} | {f"{LM}.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "g_proj",
+                                                                     "b_proj", "f_a_proj")}
+
+
 def test_a_names_file_of_analyze_is_read_relative_to_the_practice(adapter, tmp_path):
     (tmp_path / "disable.yaml").write_text(yaml.safe_dump({"metric": "error",
                                                            "disable_names": [f"{LM}.2.self_attn.o_proj"]}))

@@ -21,6 +21,7 @@ import torch
 
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core import ascend_check
+from msmodelslim.formats.ascendv1 import AscendV1Reader
 from msmodelslim.pipeline.launch import STATS_ENV, split_samples
 from msmodelslim.pipeline.resume import ResumeState
 
@@ -78,6 +79,25 @@ def test_dp_output_equals_single_device_on_kimi_linear_mini(mini_runs):
     assert _quantized_attentions(mini_runs.one) > 0
     assert mini_runs.ascend_ops_checked > 10_000
     assert assert_same_bytes(mini_runs.one, mini_runs.two) > 100
+
+
+def test_the_quant_report_covers_every_quantized_linear_and_agrees_across_rank_counts(mini_runs):
+    """quant_report.json of the one- and two-rank runs: an entry per quantized linear of the description (experts
+    written by their rank included), and the same numbers to the report's 4 significant digits (its float32 sums are
+    reduced in another order on two ranks; rel tol 2e-3 allows a last-digit step)."""
+    one, two = (json.loads((out / "quant_report.json").read_text()) for out in (mini_runs.one, mini_runs.two))
+    reader = AscendV1Reader(mini_runs.one)
+    try:
+        quantized = set(reader.quantized_linears())
+    finally:
+        reader.close()
+    assert len(quantized) > 100 and quantized == set(one["linears"]) == set(two["linears"])
+    for name, entry in one["linears"].items():
+        other = two["linears"][name]
+        assert entry["scheme"] == other["scheme"] and entry["tokens"] == other["tokens"], name
+        for key in ("error", "weight_error", "act_error", "act_absmax"):
+            assert entry[key] == pytest.approx(other[key], rel=2e-3), (name, key)
+    assert sum(e["error"] is not None for e in one["linears"].values()) > 100
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
