@@ -27,16 +27,14 @@ import yaml
 
 from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
 from msmodelslim.core.config import REPORT_METRICS
-from msmodelslim.core.report import REPORT_FILE, ranked, read_report
+from msmodelslim.core.report import DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
 from msmodelslim.processor.globs import matching
 
 logger = logging.getLogger(__name__)
 
-METRIC_ALIASES = {"mse": "error", "kurtosis": "weight_kurtosis", "std": "weight_std", "quantile": "act_channel_ratio"}
 METRICS = (*METRIC_ALIASES, *REPORT_METRICS)
-DEFAULT_TOP_K = 15  # msModelSlim's
 
 
 @dataclass

@@ -21,6 +21,9 @@ from msmodelslim.errors import UserError
 
 REPORT_FILE = "quant_report.json"
 REPORT_VERSION = 1
+# msModelSlim's `analyze --metrics` names -> the report's fields (any field of the report is a metric too)
+METRIC_ALIASES = {"mse": "error", "kurtosis": "weight_kurtosis", "std": "weight_std", "quantile": "act_channel_ratio"}
+DEFAULT_TOP_K = 15  # msModelSlim's analyze default
 
 
 def read_report(path: Path) -> dict[str, Any]:

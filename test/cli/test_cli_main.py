@@ -98,7 +98,7 @@ def test_eval_subcommand_delegates_to_msmodelslim_eval(monkeypatch):
 def test_console_entry_point_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "msmodelslim.cli", "--help"], capture_output=True, text=True,
                          cwd=REPO, check=True)
-    assert "{quant,eval}" in out.stdout
+    assert "{quant,analyze,tune,eval}" in out.stdout
     out = subprocess.run([sys.executable, "-m", "msmodelslim.cli", "eval", "--help"], capture_output=True,
                          text=True, cwd=REPO)
     assert out.returncode == 0 and "--quant_path" in out.stdout and "--max-windows" in out.stdout
