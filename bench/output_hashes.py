@@ -8,6 +8,10 @@ Two sets, each on the tiny Kimi-K3 (seed 0) and on kimi-linear-mini:
 
     python bench/output_hashes.py --record     # write test/app/output_hashes.json
     python bench/output_hashes.py              # compare with it; the JSON line counts the differing files
+
+The record holds the CPU capability torch's kernels ran with (`torch.backends.cpu.get_cpu_capability()`): float
+kernels of another instruction set round activations differently, and the calibration statistics with them, so the
+bytes are comparable on CPUs of that capability only. The quant report is left out (`file_hashes`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from common import ROOT, generated_checkpoint, machine, print_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "test"))
@@ -43,9 +48,14 @@ def main() -> None:
         tiny = generated_checkpoint("tiny")
         found = {"plain": output_hashes(Path(root) / "plain", tiny, plain_numerics=True),
                  "shipped": output_hashes(Path(root) / "shipped", tiny, plain_numerics=False)}
+    capability = torch.backends.cpu.get_cpu_capability()
     if args.record:
-        RECORD.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        RECORD.write_text(json.dumps({**found, "cpu_capability": capability}, indent=1, sort_keys=True) + "\n")
     recorded = json.loads(RECORD.read_text())
+    if recorded.get("cpu_capability") != capability:
+        print(f"the record was made on {recorded.get('cpu_capability')} CPUs, this one is {capability}: bytes "
+              f"may differ for that alone", flush=True)
+    recorded.pop("cpu_capability", None)
     differing = sorted(f"{kind}/{output}/{name}" for kind, outputs in found.items()
                        for output, files in outputs.items() for name, digest in files.items()
                        if recorded.get(kind, {}).get(output, {}).get(name) != digest)
