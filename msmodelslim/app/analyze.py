@@ -17,6 +17,7 @@ keeps the whole report (a fallback's `report`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
         plan = check_request(quant_args)
         names = quantized_linears(plan, args.trust_remote_code)
         for glob in args.patterns:
-            if not matching_any(names, glob):
+            if not any(matching(name, [glob]) for name in names):
                 raise UserError(f"--patterns {glob!r} matches none of the {len(names)} linears the practice "
                                 f"quantizes (checkpoint names, e.g. {names[len(names) // 2]})")
         logger.info("analyze: %d quantized linears of %s with %s, ranked by %s", len(names), args.model_type,
@@ -117,7 +118,7 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
     linears = {n: e for n, e in report["linears"].items() if not args.patterns or matching(n, args.patterns)}
     top = ranked(linears, metric)[:args.top_k]
     if args.report_path:
-        _write_new(Path(args.report_path), _json(report))
+        _write_new(Path(args.report_path), json.dumps(report, indent=1) + "\n")
     if args.save_path:
         header = (f"# msmodelslim analyze --metrics {args.metrics} --top_k {args.top_k}: the linears of "
                   f"{args.model_path} that {plan.chosen.path.name} quantizes worst.\n# A practice keeps them in "
@@ -126,16 +127,6 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
         body = yaml.safe_dump({"metric": metric, "disable_names": [name for name, _ in top]}, sort_keys=False)
         _write_new(Path(args.save_path), header + body)
     return AnalyzeResult(metric, top, len(linears), report)
-
-
-def matching_any(names: list[str], glob: str) -> bool:
-    return any(matching(name, [glob]) for name in names)
-
-
-def _json(report: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(report, indent=1) + "\n"
 
 
 def _write_new(path: Path, text: str) -> None:

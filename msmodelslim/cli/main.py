@@ -42,20 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     quant = sub.add_parser("quant", help="quantize a model and write the AscendV1 format",
                            description="Quantize a Hugging Face weight directory layer by layer.")
-    quant.add_argument("--model_path", required=True, help="weight directory (config.json + safetensors)")
+    _model_arguments(quant)
     quant.add_argument("--save_path", required=True, help="output directory (must not exist or be empty)")
-    quant.add_argument("--device", default="npu",
-                       help="npu | npu:0,1,... | cuda | cuda:0,1,... | cpu | cpu:0,1 (default: npu); "
-                            "one process per index")
-    quant.add_argument("--model_type", required=True, help="display name from config/config.ini, e.g. Kimi-K3")
-    which = quant.add_mutually_exclusive_group(required=True)
-    which.add_argument("--quant_type", help="w4a8, w8a8, ...: picks the best practice in lab_practice/")
-    which.add_argument("--config_path", help="a practice YAML to use instead of the lookup")
-    quant.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
-                       help="run the model code shipped in --model_path (default: False)")
-    quant.add_argument("--tag", nargs="+", default=(), metavar="TAG",
-                       help="the scenario the practice must be verified in, e.g. Ascend_950 (MX schemes); default: "
-                            "Atlas A2/A3 (lab_practice's verified_tags)")
     again = quant.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue the interrupted run of --save_path after the last unit every rank finished "
@@ -109,16 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    """What analyze and tune take as quant does: the model, the devices, the practice."""
+    """What quant, analyze and tune take alike: the model, the devices, the practice."""
     parser.add_argument("--model_path", required=True, help="weight directory (config.json + safetensors)")
-    parser.add_argument("--device", default="npu", help="as for quant: npu | npu:0,1,... | cuda[:i,...] | cpu[:i,...]")
+    parser.add_argument("--device", default="npu",
+                        help="npu | npu:0,1,... | cuda | cuda:0,1,... | cpu | cpu:0,1 (default: npu); "
+                             "one process per index")
     parser.add_argument("--model_type", required=True, help="display name from config/config.ini, e.g. Kimi-K3")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--quant_type", help="w4a8, w8a8, ...: picks the best practice in lab_practice/")
-    which.add_argument("--config_path", help="a practice YAML (or a shipped practice's name)")
+    which.add_argument("--config_path", help="a practice YAML to use instead of the lookup (or a shipped "
+                                             "practice's name)")
     parser.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                         help="run the model code shipped in --model_path (default: False)")
-    parser.add_argument("--tag", nargs="+", default=(), metavar="TAG", help="as for quant")
+    parser.add_argument("--tag", nargs="+", default=(), metavar="TAG",
+                        help="the scenario the practice must be verified in, e.g. Ascend_950 (MX schemes); "
+                             "default: Atlas A2/A3 (lab_practice's verified_tags)")
 
 
 def setup_logging(level: str | None) -> None:
