@@ -3,9 +3,11 @@ analyze`): its name, reading it back, and ranking its linears by a metric.
 
 ```json
 {"version": 1, "source": {"config_sha256": ..., "index_sha256": ...},
+ "expert_coverage": {"linears": 336, "tokens_min": 0, "tokens_median": 410, "tokens_max": 2011,
+                     "below_inputs": [...], "no_token": [...]},        (null for a model without routed experts)
  "linears": {"<checkpoint name>": {"unit": "layers.3", "scheme": "W4A8_DYNAMIC", "method": "gptq",
              "error": 0.0071, "weight_error": ..., "act_error": ..., "hessian": "exact" | "diagonal",
-             "tokens": 2048, "weight_kurtosis": 3.1, "weight_std": ..., "act_absmax": ..., "act_channel_ratio": ...}}}
+             "tokens": 2048, "inputs": 512, "weight_kurtosis": 3.1, "weight_std": ..., "act_absmax": ..., "act_channel_ratio": ...}}}
 ```
 `error` is the linear's relative output MSE on the calibration tokens (quant/sensitivity.py); every metric is worst
 when largest; a metric is null where it could not be measured (a linear no token reached).

@@ -83,10 +83,29 @@ class QuantReport:
             entries.update(json.loads(part.read_text(encoding="utf-8")))
             part.unlink()
         report = {"version": REPORT_VERSION, "source": self.source,
+                  "expert_coverage": expert_coverage({n: e for n, e in entries.items()
+                                                      if self.adapter.is_rank_local(n)}),
                   "linears": {name: entries[name] for name in sorted(entries)}}
         (self.work_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         log_worst(report["linears"])
         return report
+
+
+def expert_coverage(experts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """How many calibration tokens the routed experts' linears saw (min / median / max), and those that saw fewer
+    than their inputs: their Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means
+    min/max rounding for a weight no token tested). Logged as a warning naming them; None without experts."""
+    if not experts:
+        return None
+    counts = sorted(e["tokens"] for e in experts.values())
+    short = sorted(n for n, e in experts.items() if e["tokens"] < e["inputs"])
+    unseen = [n for n in short if experts[n]["tokens"] == 0]
+    if short:
+        logger.warning("quant report: %d of %d routed-expert linears saw fewer calibration tokens than their inputs "
+                       "(%d saw none): %s%s; more calibration data covers them", len(short), len(experts),
+                       len(unseen), ", ".join(short[:8]), f" and {len(short) - 8} more" if len(short) > 8 else "")
+    return {"linears": len(experts), "tokens_min": counts[0], "tokens_median": counts[len(counts) // 2],
+            "tokens_max": counts[-1], "below_inputs": short, "no_token": unseen}
 
 
 def log_worst(linears: dict[str, dict[str, Any]], top: int = LOGGED_WORST) -> None:

@@ -123,6 +123,7 @@ def report_entry(scheme: str, weight: WeightError, sums: InputSums) -> dict[str,
         "act_error": _significant(act_err),
         "hessian": "exact" if weight.exact is not None else "diagonal",
         "tokens": tokens,
+        "inputs": int(sums.squares.numel()),  # fewer tokens than inputs: a rank-deficient Hessian
         "output_energy": _significant(out_sq),  # sum over the tokens of ||y||^2: error * this is the absolute error
         "weight_kurtosis": _significant(weight.kurtosis),
         "weight_std": _significant(weight.std),
