@@ -5,9 +5,9 @@ in memory and never saved: what it keeps is the quant report (core/report.py, pi
 ranked by a metric (msModelSlim's names, or the report's own):
 
     mse       -> error              relative output MSE on the calibration tokens (weight + activation rounding)
-    kurtosis  -> weight_kurtosis    of the float weight (outliers)
-    std       -> weight_std         of the float weight
-    quantile  -> act_channel_ratio  max / median of the input channels' ranges (outlier channels)
+    kurtosis  -> act_kurtosis       of the input activations (msModelSlim reads these three off the inputs too)
+    std       -> act_peak_ratio     max |x| / std of the input activations
+    quantile  -> act_channel_ratio  max / median of the input channels' ranges (msModelSlim: int8 step / IQR)
 
 `--patterns` restricts the ranking to linears whose checkpoint names match a glob; `--save_path FILE.yaml` writes
 the top k as `disable_names`, which a practice's `spec.fallback` reads (`names_file`); `--report_path FILE.json`

@@ -359,7 +359,7 @@ class PracticeStep:
 
 # What a quant report (pipeline/report.py) ranks linears by; each is worst when largest.
 ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
-                       "act_channel_ratio"]
+                       "act_channel_ratio", "act_kurtosis", "act_peak_ratio"]
 REPORT_METRICS: tuple[str, ...] = typing.get_args(ReportMetric)
 FallbackScheme = Literal["FLOAT", "W8A8_DYNAMIC", "W8A8_MXFP8"]
 

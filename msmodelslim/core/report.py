@@ -7,7 +7,8 @@ analyze`): its name, reading it back, and ranking its linears by a metric.
                      "below_inputs": [...], "no_token": [...]},        (null for a model without routed experts)
  "linears": {"<checkpoint name>": {"unit": "layers.3", "scheme": "W4A8_DYNAMIC", "method": "gptq",
              "error": 0.0071, "weight_error": ..., "act_error": ..., "hessian": "exact" | "diagonal",
-             "tokens": 2048, "inputs": 512, "weight_kurtosis": 3.1, "weight_std": ..., "act_absmax": ..., "act_channel_ratio": ...}}}
+             "tokens": 2048, "inputs": 512, "weight_kurtosis": 3.1, "weight_std": ..., "act_absmax": ...,
+             "act_channel_ratio": ..., "act_kurtosis": ..., "act_peak_ratio": ..., "output_energy": ...}}}
 ```
 `error` is the linear's relative output MSE on the calibration tokens (quant/sensitivity.py); every metric is worst
 when largest; a metric is null where it could not be measured (a linear no token reached).
@@ -24,7 +25,8 @@ from msmodelslim.errors import UserError
 REPORT_FILE = "quant_report.json"
 REPORT_VERSION = 1
 # msModelSlim's `analyze --metrics` names -> the report's fields (any field of the report is a metric too)
-METRIC_ALIASES = {"mse": "error", "kurtosis": "weight_kurtosis", "std": "weight_std", "quantile": "act_channel_ratio"}
+# (msModelSlim reads kurtosis, std and quantile off the linears' input activations, as these fields do)
+METRIC_ALIASES = {"mse": "error", "kurtosis": "act_kurtosis", "std": "act_peak_ratio", "quantile": "act_channel_ratio"}
 DEFAULT_TOP_K = 15  # msModelSlim's analyze default
 
 

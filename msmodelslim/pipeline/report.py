@@ -50,13 +50,13 @@ class QuantReport:
         """Reduce the replicated linears' sums over ranks (the same names in the same order on every rank) and
         record one entry per linear; the observers are taken off again."""
         replicated = [(n, m.observer) for n, m in linears if not self.adapter.is_rank_local(n)]
-        floats = {f"{n}/{k}": getattr(s, k) for n, s in replicated for k in ("squares", "act_error", "output_squares")}
-        floats = self.dist.all_reduce_sum(floats)
+        summed = ("squares", "act_error", "moments", "output_squares")
+        floats = self.dist.all_reduce_sum({f"{n}/{k}": getattr(s, k) for n, s in replicated for k in summed})
         tokens = self.dist.all_reduce_sum({n: s.tokens for n, s in replicated})
         absmax = self.dist.all_reduce_max({n: s.absmax for n, s in replicated})
         for name, sums in replicated:
-            sums.squares, sums.act_error, sums.output_squares = (floats[f"{name}/{k}"] for k in
-                                                                 ("squares", "act_error", "output_squares"))
+            for k in summed:
+                setattr(sums, k, floats[f"{name}/{k}"])
             sums.tokens, sums.absmax = tokens[name], absmax[name]
         for name, m in linears:
             entry = report_entry(m.scheme.name, m.weight_error, m.observer)

@@ -15,6 +15,9 @@ Both are relative to ||Y~||^2, summed from the deployed output itself (Y~ is wit
 (`pipeline/report.py`), which inference runs anyway: they cost no calibration pass.
 
 Weight statistics: `kurtosis` (E[(w - mean)^4] / var^2 of all weights: 3 for a Gaussian, large for outliers), `std`.
+Activation statistics, of every element of the input over the calibration tokens, as msModelSlim's `analyze linear`
+reads activations: `act_kurtosis` (the same ratio, from float32 raw moments), `act_peak_ratio` (max |x| / std) and
+`act_channel_ratio` (the largest channel range over the median one).
 """
 
 from __future__ import annotations
@@ -67,18 +70,21 @@ def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian: tor
 @dataclass
 class InputSums:
     """A quantized linear's inputs over the calibration tokens, in the weight's basis (after any online rotation):
-    per channel sum x^2, sum (Q(x) - x)^2 and max |x| ([in] float32), the output's sum of squares and the tokens."""
+    per channel sum x^2, sum (Q(x) - x)^2 and max |x| ([in] float32), the raw moments sum x^k, k = 1..4, of all
+    input elements (for the activation kurtosis), the output's sum of squares and the tokens."""
 
     squares: torch.Tensor
     act_error: torch.Tensor
     absmax: torch.Tensor
+    moments: torch.Tensor  # float32 [4]
     output_squares: torch.Tensor  # float32 scalar
     tokens: torch.Tensor  # int64 scalar
 
     @classmethod
     def zeros(cls, width: int, device: torch.device) -> InputSums:
         z = torch.zeros(width, dtype=torch.float32, device=device)
-        return cls(z, z.clone(), z.clone(), torch.zeros((), dtype=torch.float32, device=device),
+        return cls(z, z.clone(), z.clone(), torch.zeros(4, dtype=torch.float32, device=device),
+                   torch.zeros((), dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.int64, device=device))
 
     def record(self, x: torch.Tensor, x_quant: torch.Tensor | None, y: torch.Tensor) -> None:
@@ -86,10 +92,12 @@ class InputSums:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
         if not flat.shape[0]:
             return
-        self.squares += flat.square().sum(dim=0)
         if x_quant is not None:
             self.act_error += (x_quant.detach().reshape(flat.shape).float() - flat).square().sum(dim=0)
         torch.maximum(self.absmax, flat.abs().amax(dim=0), out=self.absmax)
+        squares = flat.square()
+        self.squares += squares.sum(dim=0)
+        self.moments += torch.stack([flat.sum(), squares.sum(), (squares * flat).sum(), squares.square().sum()])
         self.output_squares += y.detach().float().square().sum()
         self.tokens += flat.shape[0]
 
@@ -115,6 +123,14 @@ def report_entry(scheme: str, weight: WeightError, sums: InputSums) -> dict[str,
     absmax = sums.absmax
     positive = absmax[absmax > 0]
     ratio = float(absmax.max() / positive.median()) if positive.numel() else None
+    act_kurtosis = act_peak = None
+    count = tokens * absmax.numel()
+    if count:
+        m1, m2, m3, m4 = (float(v) / count for v in sums.moments)
+        var = m2 - m1 * m1
+        if var > 0:  # central moments from the raw ones
+            act_kurtosis = (m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1 ** 4) / (var * var)
+            act_peak = float(absmax.max()) / math.sqrt(var)
     return {
         "scheme": scheme,
         "method": weight.method,
@@ -129,4 +145,6 @@ def report_entry(scheme: str, weight: WeightError, sums: InputSums) -> dict[str,
         "weight_std": _significant(weight.std),
         "act_absmax": _significant(float(absmax.max()) if absmax.numel() else None),
         "act_channel_ratio": _significant(ratio),  # max channel range / median channel range: outlier channels
+        "act_kurtosis": _significant(act_kurtosis),  # of all input elements: 3 for a Gaussian
+        "act_peak_ratio": _significant(act_peak),  # max |x| / std of all input elements
     }

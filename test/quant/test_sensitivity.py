@@ -88,3 +88,21 @@ def test_weight_kurtosis_flags_an_outlier_column():
     assert weight_statistics(w)[0] == pytest.approx(3.0, abs=0.3)
     w[:, 5] *= 30
     assert weight_statistics(w)[0] > 30
+
+
+def test_activation_kurtosis_and_peak_ratio_match_float64_over_every_input_element():
+    """act_kurtosis E[(x - mean)^4] / var^2 and act_peak_ratio max|x| / std of all input elements, from the float32
+    raw moments, against float64 on the same elements; tol 1e-3 relative (4 significant digits kept)."""
+    torch.manual_seed(5)
+    lin = nn.Linear(64, 16, bias=False)
+    ql = QuantLinear.from_linear(lin, "W8A8_DYNAMIC", weight_method="minmax")
+    x = torch.randn(3, 200, 64) + 0.3
+    x[..., 7] *= 25  # an outlier channel
+    _observed(ql, x)
+    entry = report_entry("W8A8_DYNAMIC", weight_error(lin.weight, ql.dequantized_weight(), "minmax"), ql.observer)
+    ref = x.double().reshape(-1)
+    centred = ref - ref.mean()
+    var = centred.square().mean()
+    assert entry["act_kurtosis"] == pytest.approx(float(centred.pow(4).mean() / var.square()), rel=1e-3)
+    assert entry["act_peak_ratio"] == pytest.approx(float(ref.abs().max() / var.sqrt()), rel=1e-3)
+    assert entry["act_kurtosis"] > 10
