@@ -158,7 +158,11 @@ def tune(args: TuneArgs) -> TuneResult:
                     break
                 if index + 1 < args.max_rounds:
                     groups = groups or _groups(entry.load_adapter_class(), args.model_path, args.trust_remote_code)
-                    fallback = _step_up(output, fallback, args.step, groups)
+                    stepped = _step_up(output, fallback, args.step, groups)
+                    if stepped == fallback:  # every linear is FLOAT already: no round can do better
+                        logger.warning("tune: nothing left to fall back after round %d", index)
+                        break
+                    fallback = stepped
             # the round that met the target, else the best one
             result.chosen = result.rounds[-1] if result.reached else min(result.rounds, key=lambda r: r.delta_pct)
             if save_path.is_dir():
@@ -176,8 +180,6 @@ def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[s
     report = read_report(output / REPORT_FILE)["linears"]
     budget = max(1, math.ceil(len(report) * step / 100))
     worst = worst_within([name for name, _ in ranked(report)], groups, set(report), budget)
-    if not worst:
-        raise UserError(f"{output / REPORT_FILE}: no quantized linear has an error to rank; nothing to fall back")
     out = dict(fallback)
     for name in worst:
         out[name] = next_scheme(report[name]["scheme"])
