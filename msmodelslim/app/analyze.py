@@ -27,15 +27,13 @@ from typing import Any
 import yaml
 
 from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
-from msmodelslim.core.config import REPORT_METRICS
-from msmodelslim.core.report import DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
+from msmodelslim.core.report import ANALYZE_METRICS, DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
 from msmodelslim.processor.globs import matching
 
 logger = logging.getLogger(__name__)
 
-METRICS = (*METRIC_ALIASES, *REPORT_METRICS)
 
 
 @dataclass
@@ -63,8 +61,8 @@ class AnalyzeResult:
 
 
 def _check_args(args: AnalyzeArgs) -> str:
-    if args.metrics not in METRICS:
-        raise UserError(f"--metrics {args.metrics!r}: expected one of {', '.join(METRICS)}")
+    if args.metrics not in ANALYZE_METRICS:
+        raise UserError(f"--metrics {args.metrics!r}: expected one of {', '.join(ANALYZE_METRICS)}")
     if args.top_k <= 0:
         raise UserError(f"--top_k {args.top_k}: must be a positive integer")
     for flag, path, suffixes in (("--save_path", args.save_path, (".yaml", ".yml")),

@@ -198,7 +198,7 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
 
 
 def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None,
-                 report_only: bool = False) -> None:
+                      report_only: bool = False) -> None:
     from msmodelslim.core import ascend_check
     from msmodelslim.pipeline import launch
 

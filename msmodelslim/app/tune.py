@@ -145,7 +145,8 @@ def tune(args: TuneArgs) -> TuneResult:
                                 trust_remote_code=args.trust_remote_code))
                 measured = evaluate(args.model_path, output, args.dataset, device=eval_device, seq_len=args.seq_len,
                                     max_windows=args.max_windows, trust_remote_code=args.trust_remote_code,
-                                    model_type=args.model_type)
+                                    model_type=args.model_type,  # the original once, in round 0
+                                    ppl_orig=result.rounds[0].ppl_orig if result.rounds else None)
                 done = Round(index, dict(fallback), measured["ppl_orig"], measured["ppl_quant"],
                              measured["delta_pct"], output)
                 result.rounds.append(done)

@@ -55,10 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--plan-json", metavar="FILE", default=None, help="with --plan, also write the plan as JSON")
     _common(quant)
 
-    from msmodelslim.core.config import REPORT_METRICS
-    from msmodelslim.core.report import DEFAULT_TOP_K, METRIC_ALIASES
-
-    metrics = (*METRIC_ALIASES, *REPORT_METRICS)
+    from msmodelslim.core.report import ANALYZE_METRICS, DEFAULT_TOP_K
 
     analyze = sub.add_parser("analyze", help="rank the linears a practice quantizes worst, without writing a model",
                              description="Quantize layer by layer in memory and rank the quantized linears by a "
@@ -66,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "is written.")
     _model_arguments(analyze)
     analyze.add_argument("--metrics", default="mse", metavar="METRIC",
-                         help=f"{' | '.join(metrics)} (default: mse, the relative output error)")
+                         help=f"{' | '.join(ANALYZE_METRICS)} (default: mse, the relative output error)")
     analyze.add_argument("--top_k", type=int, default=DEFAULT_TOP_K, help=f"how many to list (default {DEFAULT_TOP_K})")
     analyze.add_argument("--patterns", nargs="+", default=[], metavar="GLOB",
                          help="rank only linears whose checkpoint names match one of these globs")

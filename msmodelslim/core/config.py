@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import yaml
 
+from msmodelslim.core.report import ReportMetric, ranked, read_report
 from msmodelslim.errors import UserError
 
 # A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
@@ -357,10 +358,6 @@ class PracticeStep:
         return self.cls(self.config, *args)
 
 
-# What a quant report (pipeline/report.py) ranks linears by; each is worst when largest.
-ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
-                       "act_channel_ratio", "act_kurtosis", "act_peak_ratio"]
-REPORT_METRICS: tuple[str, ...] = typing.get_args(ReportMetric)
 FallbackScheme = Literal["FLOAT", "W8A8_DYNAMIC", "W8A8_MXFP8"]
 
 
@@ -403,8 +400,6 @@ class FallbackConfig(StrictConfig):
                                   "mapping with disable_names: [...], as msmodelslim analyze writes it)")
             self.globs += listed
         if self.report is not None:
-            from msmodelslim.core.report import ranked, read_report
-
             file = base / self.report
             try:
                 report = read_report(file)

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from msmodelslim.errors import UserError
 
 REPORT_FILE = "quant_report.json"
 REPORT_VERSION = 1
-# msModelSlim's `analyze --metrics` names -> the report's fields (any field of the report is a metric too)
-# (msModelSlim reads kurtosis, std and quantile off the linears' input activations, as these fields do)
+# What a report ranks linears by (each is worst when largest): a fallback's `metric`, analyze's `--metrics`.
+ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
+                       "act_channel_ratio", "act_kurtosis", "act_peak_ratio"]
+# msModelSlim's `analyze --metrics` names -> the report's fields (msModelSlim reads kurtosis, std and quantile off
+# the linears' input activations, as these fields do)
 METRIC_ALIASES = {"mse": "error", "kurtosis": "act_kurtosis", "std": "act_peak_ratio", "quantile": "act_channel_ratio"}
+ANALYZE_METRICS: tuple[str, ...] = (*METRIC_ALIASES, *get_args(ReportMetric))
 DEFAULT_TOP_K = 15  # msModelSlim's analyze default
 
 

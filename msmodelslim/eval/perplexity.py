@@ -135,11 +135,13 @@ def _run(adapter: ModelAdapter, unit: Unit, module: nn.Module, states: list[dict
 
 
 def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], device: torch.device,
-                         reader: AscendV1Reader, compute_dtype: torch.dtype = torch.bfloat16) -> EvalResult:
-    """Original and quantized perplexity over `windows`, one unit in memory at a time."""
+                         reader: AscendV1Reader, compute_dtype: torch.dtype = torch.bfloat16,
+                         ppl_orig: float | None = None) -> EvalResult:
+    """Original and quantized perplexity over `windows`, one unit in memory at a time; with `ppl_orig` (the
+    original's, known from an earlier call on the same windows) the quantized one alone."""
     if not windows:
         raise UserError("no evaluation window (text shorter than one window?)")
-    variants = {"orig": None, "quant": reader}
+    variants = {"quant": reader} if ppl_orig is not None else {"orig": None, "quant": reader}
     states = {v: [{"input_ids": w, "need_logits": True} for w in windows] for v in variants}
     nll = {v: 0.0 for v in variants}
     count = {v: 0 for v in variants}
@@ -165,7 +167,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             else:
                 states[variant] = out
             logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
-    if count["orig"] == 0:
+    if count["quant"] == 0:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
     unmatched = sorted(set(reader.quantized_linears()) - simulated)
     if unmatched:
@@ -175,10 +177,10 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized attention {unmatched[0]!r} (and {len(unmatched) - 1} more) is "
                          f"no attention with FA3 points of any text unit of {type(adapter).__name__}")
-    ppl = {v: math.exp(nll[v] / count[v]) for v in variants}
+    ppl = {"orig": ppl_orig, **{v: math.exp(nll[v] / count[v]) for v in variants}}
     logger.info("eval: %d quantized linears and %d quantized attentions simulated", len(simulated), len(attentions))
     return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
-                      windows=len(windows), tokens=count["orig"], quantized_linears=len(simulated),
+                      windows=len(windows), tokens=count["quant"], quantized_linears=len(simulated),
                       quantized_attentions=len(attentions))
 
 
@@ -210,11 +212,13 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path, device: str | torch.device = "cpu",
              seq_len: int = 512, max_windows: int | None = 32, trust_remote_code: bool = False,
-             model_type: str = "Kimi-K3", adapter: ModelAdapter | None = None) -> dict[str, Any]:
+             model_type: str = "Kimi-K3", adapter: ModelAdapter | None = None,
+             ppl_orig: float | None = None) -> dict[str, Any]:
     """Perplexity of `model_path` and of the AscendV1 output `quant_path` on the text file `dataset`.
 
     Returns {ppl_orig, ppl_quant, delta_pct, windows, tokens, quantized_linears}. `adapter` (already built for `model_path` on
-    `device`) overrides the config.ini lookup of `model_type`.
+    `device`) overrides the config.ini lookup of `model_type`; `ppl_orig`, the original's perplexity from an earlier
+    call with the same text and windows, spares its forward (`msmodelslim tune` evaluates every round).
     """
     if seq_len < 2:
         raise UserError(f"seq_len must be at least 2, got {seq_len}")
@@ -239,7 +243,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
         if not windows:
             raise UserError(f"{dataset}: fewer than seq_len={seq_len} tokens")
         compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
-        result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype)
+        result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype, ppl_orig)
     finally:
         reader.close()
         if owned:

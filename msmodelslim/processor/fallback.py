@@ -118,18 +118,11 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
             to_float += globs
         else:
             higher.append((entry.to, globs))
-    first = True
-    out = []
-    for processor in processors:
-        if isinstance(processor, LinearQuantProcessor):
-            if first:  # the fallback entries run before the practice's own: the first matching entry wins
-                for scheme, globs in higher:
-                    like = next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)
-                    out.append(LinearQuantProcessor(LinearQuantConfig(qconfig=like or _DEFAULT_QCONFIG[scheme],
-                                                                      include=globs, exclude=to_float)))
-                first = False
-            if to_float:
-                processor = LinearQuantProcessor(replace(processor.config,
-                                                         exclude=processor.config.exclude + to_float))
-        out.append(processor)
+    out = [LinearQuantProcessor(replace(p.config, exclude=p.config.exclude + to_float))
+           if to_float and isinstance(p, LinearQuantProcessor) else p for p in processors]
+    first = next(i for i, p in enumerate(out) if isinstance(p, LinearQuantProcessor))
+    # the fallback entries run before the practice's own: the first matching entry wins
+    out[first:first] = [LinearQuantProcessor(LinearQuantConfig(
+        qconfig=next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)
+        or _DEFAULT_QCONFIG[scheme], include=globs, exclude=to_float)) for scheme, globs in higher]
     return out
