@@ -42,11 +42,13 @@ def print_result(result: dict) -> None:
 
 
 def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
-                      max_seq_len: int | None = None) -> Path:
-    """A shipped practice with a smaller calibration set (same processors), for benchmarks that must end."""
+                      max_seq_len: int | None = None, dataset: Path | None = None) -> Path:
+    """A shipped practice with a smaller (or another) calibration set (same processors)."""
     import yaml
 
     practice = yaml.safe_load(source.read_text())
+    if dataset is not None:
+        practice["spec"]["dataset"] = str(dataset)
     if max_samples:
         practice["spec"]["max_samples"] = max_samples
     if max_seq_len:

@@ -11,7 +11,14 @@ Stages (seconds, from the runner's own statistics): load (MXFP4 decode), process
 (forwards), save. fla's Triton autotuning is timed on its own first: chunk_kda at this layer's shapes, first call
 vs the mean of the next ones, in a fresh process.
 
-Usage: python bench/k3_layer.py --device cuda:0 [--samples 8 --max-seq-len 1024 --layers 61 --practice P.yaml]
+Calibration at scale (`--tokens 65536,262144,1048576`): a generated set of long records (random words, cut to
+`--max-seq-len`; one record in 8 is image+text from lab_calib/calibImages) of T tokens for each T, run after one
+warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the slope between the sizes.
+`--baseline-tree DIR` runs the same sizes with another copy of the package (e.g. `git archive` of an older commit)
+in the same sitting, for a side-by-side ratio.
+
+Usage: python bench/k3_layer.py --device cuda:0 [--samples 8 --max-seq-len 1024 --layers 93 --practice P.yaml]
+       python bench/k3_layer.py --device cuda:0 --tokens 65536,262144 [--baseline-tree bench_out/baseline]
 Prints one JSON line last.
 """
 
@@ -57,13 +64,87 @@ def fla_autotune(device: str, tokens: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def long_record_set(tokens: int, seq_len: int) -> tuple[Path, int]:
+    """A calibration set of about `tokens` tokens: records of random words longer than `seq_len` tokens (cut to
+    it), one in 8 an image+text record of lab_calib/calibImages. Returns (folder, records)."""
+    import json
+    import random
+    import shutil
+
+    records = -(-tokens // seq_len)
+    out = BENCH_OUT / f"calib_long_{records}x{seq_len}"
+    if (out / "index.jsonl").is_file():
+        return out, records
+    source = ROOT / "lab_calib" / "calibImages"
+    images = [json.loads(line) for line in (source / "index.jsonl").read_text().splitlines() if '"image"' in line]
+    shutil.copytree(source / "images", out / "images", dirs_exist_ok=True)
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    lines = []
+    for i in range(records):
+        text = " ".join(rng.choice(words) for _ in range(2 * seq_len))
+        lines.append(json.dumps({**images[i // 8 % len(images)], "text": text} if i % 8 == 7 else {"text": text}))
+    (out / "index.jsonl").write_text("\n".join(lines) + "\n")
+    return out, records
+
+
+def scale_runs(args: argparse.Namespace, model: Path) -> dict:
+    """Runs at each calibration size T (after a warm-up), and the marginal cost per token between sizes."""
+    sizes = [int(t) for t in args.tokens.split(",")]
+    trees = {"current": None, **({"baseline": args.baseline_tree} if args.baseline_tree else {})}
+    out = BENCH_OUT / "Kimi-K3-layer-w4a8"
+    warmup = shrunken_practice(Path(args.practice), BENCH_OUT / "k3_layer_practice.yaml", 8, args.max_seq_len)
+    for tree in trees.values():  # Triton compilation and caches, not timed
+        run_quant(model, out, args.device, warmup, extra_env=_tree_env(tree))
+    results: dict[str, list[dict]] = {name: [] for name in trees}
+    for t in sizes:
+        folder, records = long_record_set(t, args.max_seq_len)
+        practice = shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}.yaml", records,
+                                     args.max_seq_len, dataset=folder)
+        for name, tree in trees.items():
+            run = run_quant(model, out, args.device, practice, extra_env=_tree_env(tree))["ranks"][0]
+            run["tokens_requested"] = t
+            results[name].append(run)
+            print(json.dumps({"tree": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
+                              "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
+                              "peak_rss_gb": round(run["peak_rss_gb"], 2)}), flush=True)
+    summary = {}
+    for name, runs in results.items():
+        per_size = [{"tokens": r["tokens_requested"], "layer_s": round(r["runner_wall"], 1),
+                     "peak_device_gb": round(r.get("peak_device_gb", 0.0), 2), "peak_rss_gb": round(r["peak_rss_gb"], 2),
+                     "passes": r.get("calibration_passes"),
+                     "stages_s": {k: round(v, 2) for k, v in r.items() if isinstance(v, float) and k not in
+                                  ("runner_wall", "peak_rss_gb", "peak_device_gb")}} for r in runs]
+        marginal = {}
+        if len(runs) > 1:
+            first, last = runs[0], runs[-1]
+            span = last["tokens_requested"] - first["tokens_requested"]
+            marginal = {k: round(1000 * (last.get(k, 0.0) - first.get(k, 0.0)) / span, 4)
+                        for k in last if isinstance(last[k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
+        largest = runs[-1]
+        summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal,
+                         "projected_model_hours_per_rank_at_largest": round(largest["runner_wall"] * args.layers / 3600, 2)}
+    return summary
+
+
+def _tree_env(tree: str | None) -> dict:
+    import os
+
+    if tree is None:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--samples", type=int, default=8, help="calibration records (the practice's dataset)")
     p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=61, help="decoder layers assumed for the projection (Kimi-K3's "
-                                                             "count is not public; 61 is Kimi-K2's)")
+    p.add_argument("--layers", type=int, default=93, help="decoder layers for the projection (Kimi-K3: 69 KDA + 24 "
+                                                             "MLA)")
+    p.add_argument("--tokens", default=None, help="comma-separated calibration sizes T (tokens), each a generated "
+                                                   "long-record set; replaces --samples")
+    p.add_argument("--baseline-tree", default=None, help="with --tokens: also run another copy of the package")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")
@@ -79,6 +160,15 @@ def main() -> None:
                         "--set", f"text_config.num_experts={EXPERTS_PER_RANK}",
                         "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}"], check=True)
     generate_s = time.perf_counter() - t0
+    if args.tokens:
+        print_result({"bench": "k3_layer_scale", "machine": machine(), "device": args.device,
+                      "practice": Path(args.practice).name, "max_seq_len": args.max_seq_len,
+                      "assumed": {"ep": EP, "local_experts": EXPERTS_PER_RANK, "topk_per_rank": TOPK_PER_RANK,
+                                  "layers_for_projection": args.layers,
+                                  "calibration": "generated long records (one in 8 image+text), all T tokens "
+                                                 "through this one rank's layer"},
+                      "generate_checkpoint_s": round(generate_s, 1), **scale_runs(args, model)})
+        return
     autotune = fla_autotune(args.device, args.max_seq_len) \
         if args.device.startswith("cuda") and not args.skip_autotune else {}
 
@@ -107,7 +197,7 @@ def main() -> None:
                     "report_cost_pct_of_layer": round(100 * cost / median("without", "runner_wall"), 2),
                     "wall_overhead_pct_median": round(100 * (median("with", "runner_wall")
                                                              / median("without", "runner_wall") - 1), 2)}
-    meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb", "ascend_ops_checked")
+    meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb", "ascend_ops_checked", "calibration_passes")
     stages = {k: round(v, 2) for k, v in warm.items() if k not in meta}
     layer_s = warm["runner_wall"]  # the vision (1 tiny block), embed and head (vocab 4096) units take ~no time
     result = {

@@ -45,6 +45,7 @@ class AnalyzeArgs:
     config_path: str | None = None
     trust_remote_code: bool = False
     tags: tuple[str, ...] = ()
+    calibration_dataset: str | None = None  # replaces the practice's spec.dataset
     metrics: str = "mse"
     top_k: int = DEFAULT_TOP_K
     patterns: list[str] = field(default_factory=list)
@@ -101,7 +102,8 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
         work_dir = Path(tmp) / "run"
         quant_args = QuantArgs(model_path=args.model_path, save_path=str(work_dir), model_type=args.model_type,
                                device=args.device, quant_type=args.quant_type, config_path=args.config_path,
-                               trust_remote_code=args.trust_remote_code, tags=args.tags)
+                               trust_remote_code=args.trust_remote_code, tags=args.tags,
+                               calibration_dataset=args.calibration_dataset)
         plan = check_request(quant_args)
         names = quantized_linears(plan, args.trust_remote_code)
         for glob in args.patterns:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from msmodelslim.app.practice import ChosenPractice, choose_practice
 from msmodelslim.core import torchrun
 from msmodelslim.core.calib import CalibRecord, load_calib_records
@@ -59,6 +61,7 @@ class QuantArgs:
     config_path: str | None = None
     trust_remote_code: bool = False
     tags: tuple[str, ...] = ()  # scenario tags choosing the hardware (app/practice.py)
+    calibration_dataset: str | None = None  # replaces the practice's spec.dataset (msModelSlim's spelling)
     resume: bool = False  # continue the interrupted run of this save_path from its kept state
     fresh: bool = False  # discard such state and start over
 
@@ -169,6 +172,8 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     device = parse_device(args.device, place)
     _check_expert_split(model_path, config, device)
     spec = chosen.practice.spec
+    if args.calibration_dataset is not None:
+        spec.dataset = args.calibration_dataset
     records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
     with_image = sum(r.image is not None for r in records)
     if not chosen.practice.is_multimodal and with_image:
@@ -224,6 +229,17 @@ def _publish(work_dir: Path, save_path: Path) -> None:
     if save_path.is_dir():
         save_path.rmdir()  # empty (checked earlier); rename cannot replace a directory on every platform
     os.rename(work_dir, save_path)
+
+
+def practice_bytes(plan: _Plan) -> bytes:
+    """The practice as it ran: its file, with `--calibration_dataset` written into spec.dataset when it was given."""
+    data = plan.chosen.path.read_bytes()
+    dataset = plan.chosen.practice.spec.dataset
+    if yaml.safe_load(data)["spec"]["dataset"] == dataset:
+        return data
+    practice = yaml.safe_load(data)
+    practice["spec"]["dataset"] = str(Path(dataset).expanduser().resolve())
+    return ("# spec.dataset from --calibration_dataset\n" + yaml.safe_dump(practice, sort_keys=False)).encode()
 
 
 def practice_file_name(model_type: str) -> str:
@@ -340,7 +356,7 @@ def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], in
     work_dir = _side_name(plan.save_path, "partial")
     state = ResumeState(work_dir)
     world = plan.device.world_size
-    expected = fingerprint(source_identity(plan.model_path), plan.chosen.path.read_bytes(), plan.device.type, world)
+    expected = fingerprint(source_identity(plan.model_path), practice_bytes(plan), plan.device.type, world)
     if args.resume:
         if not work_dir.is_dir():
             raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
@@ -407,7 +423,7 @@ def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
     if not (work_dir / DESCRIPTION_FILE).is_file():
         raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
     _check_label_kept(work_dir, plan.chosen)
-    shutil.copyfile(plan.chosen.path, work_dir / practice_file_name(args.model_type))
+    (work_dir / practice_file_name(args.model_type)).write_bytes(practice_bytes(plan))
     shutil.rmtree(ResumeState(work_dir).root)  # the run is complete: its resumable state goes before publishing
     _publish(work_dir, plan.save_path)
 

@@ -50,6 +50,7 @@ class TuneArgs:
     config_path: str | None = None
     trust_remote_code: bool = False
     tags: tuple[str, ...] = ()
+    calibration_dataset: str | None = None  # replaces the practice's spec.dataset
     max_rounds: int = 4  # quantizations, the first included
     step: float = 10.0  # percent of the quantized linears moved up per round
     seq_len: int = 512
@@ -142,7 +143,8 @@ def tune(args: TuneArgs) -> TuneResult:
                 output = rounds_dir / f"round{index}"
                 quant(QuantArgs(model_path=args.model_path, save_path=str(output), model_type=args.model_type,
                                 device=args.device, config_path=str(practice_file),
-                                trust_remote_code=args.trust_remote_code))
+                                trust_remote_code=args.trust_remote_code,
+                                calibration_dataset=args.calibration_dataset))
                 measured = evaluate(args.model_path, output, args.dataset, device=eval_device, seq_len=args.seq_len,
                                     max_windows=args.max_windows, trust_remote_code=args.trust_remote_code,
                                     model_type=args.model_type,  # the original once, in round 0

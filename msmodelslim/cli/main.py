@@ -106,6 +106,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                                              "practice's name)")
     parser.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                         help="run the model code shipped in --model_path (default: False)")
+    parser.add_argument("--calibration_dataset", default=None, metavar="PATH",
+                        help="calibration records instead of the practice's spec.dataset: a jsonl file, or a folder "
+                             "of jsonl shards (read in name order)")
     parser.add_argument("--tag", nargs="+", default=(), metavar="TAG",
                         help="the scenario the practice must be verified in, e.g. Ascend_950 (MX schemes); "
                              "default: Atlas A2/A3 (lab_practice's verified_tags)")
@@ -130,7 +133,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
     args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=ns.device,
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag),
-        resume=ns.resume, fresh=ns.fresh,
+        calibration_dataset=ns.calibration_dataset, resume=ns.resume, fresh=ns.fresh,
     )
     if ns.plan or ns.plan_json:
         return _run_plan(args, ns.plan_json)
@@ -158,6 +161,7 @@ def _run_analyze(ns: argparse.Namespace) -> int:
     result = analyze(AnalyzeArgs(
         model_path=ns.model_path, model_type=ns.model_type, device=ns.device, quant_type=ns.quant_type,
         config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), metrics=ns.metrics,
+        calibration_dataset=ns.calibration_dataset,
         top_k=ns.top_k, patterns=list(ns.patterns), save_path=ns.save_path, report_path=ns.report_path))
     print(f"msmodelslim analyze: the {len(result.top)} of {result.considered} quantized linears with the largest "
           f"{result.metric}")
@@ -179,6 +183,7 @@ def _run_tune(ns: argparse.Namespace) -> int:
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, dataset=ns.dataset,
         target_ppl_delta=ns.target_ppl_delta, device=ns.device, quant_type=ns.quant_type, config_path=ns.config_path,
         trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), max_rounds=ns.max_rounds, step=ns.step,
+        calibration_dataset=ns.calibration_dataset,
         seq_len=ns.seq_len, max_windows=ns.max_windows))
     print(f"msmodelslim tune: {'target reached' if result.reached else 'target NOT reached'} "
           f"({ns.target_ppl_delta:g} %) in {len(result.rounds)} round(s)")

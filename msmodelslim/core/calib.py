@@ -1,9 +1,10 @@
 """Calibration records: `{"text": ..., "image": "relative/path.png"}` lines of a jsonl index.
 
 `dataset` is a lab_calib short name (`lab_calib/<name>/index.jsonl`; a name has no `/` and no `.jsonl` suffix) or
-a path (relative to the current directory) to a jsonl file or to a directory holding `index.jsonl`. Image paths
-are relative to the index's directory and must stay inside it. Image-only records take `default_text`;
-text-only records are allowed, so one set may mix both.
+a path (relative to the current directory) to a jsonl file, to a directory holding `index.jsonl`, or to a directory
+of jsonl shards (`*.jsonl`, read in name order: a large set written in parts). Image paths are relative to the
+file's directory and must stay inside it. Image-only records take `default_text`; text-only records are allowed, so
+one set may mix both. Files are read a line at a time and no further than `max_samples` records.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def known_datasets() -> list[str]:
     return sorted(p.parent.name for p in root.glob(f"*/{INDEX_NAME}"))
 
 
-def resolve_dataset(dataset: str) -> Path:
-    """The index jsonl file that `dataset` names."""
+def resolve_dataset(dataset: str) -> list[Path]:
+    """The jsonl files that `dataset` names, in reading order."""
     if not dataset or not dataset.strip():
         raise CalibError("calibration dataset name is empty")
     if is_short_name(dataset):
@@ -60,16 +61,18 @@ def resolve_dataset(dataset: str) -> Path:
                 f"unknown calibration dataset {dataset!r}: {index} not found; "
                 f"lab_calib has {', '.join(known_datasets()) or '(none)'} (or give a path to a jsonl file)"
             )
-        return index
+        return [index]
     path = Path(dataset).expanduser()
     if path.is_dir():
-        index = path / INDEX_NAME
-        if not index.is_file():
-            raise CalibError(f"calibration dataset directory {path} has no {INDEX_NAME}")
-        return index
+        if (path / INDEX_NAME).is_file():
+            return [path / INDEX_NAME]
+        shards = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if not shards:
+            raise CalibError(f"calibration dataset directory {path} has neither {INDEX_NAME} nor *.jsonl shards")
+        return shards
     if not path.is_file():
         raise CalibError(f"calibration dataset not found: {path}")
-    return path
+    return [path]
 
 
 def _check_image(value: object, root: Path, where: str) -> Path:
@@ -103,41 +106,47 @@ def _check_image(value: object, root: Path, where: str) -> Path:
     return full
 
 
+def _record(line: str, where: str, root: Path, default_text: str) -> CalibRecord:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CalibError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise CalibError(f"{where}: expected a JSON object with 'text' and/or 'image', got {type(item).__name__}")
+    unknown = sorted(set(item) - set(RECORD_KEYS))
+    if unknown:
+        raise CalibError(f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(RECORD_KEYS)}")
+    text = item.get("text")
+    if text is not None and not isinstance(text, str):
+        raise CalibError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+    image = _check_image(item["image"], root, where) if item.get("image") is not None else None
+    if not (text or "").strip():
+        if image is None:
+            raise CalibError(f"{where}: record has neither text nor image")
+        text = default_text
+    return CalibRecord(text=text, image=image)
+
+
 def load_calib_records(dataset: str, default_text: str, max_samples: int | None = None) -> list[CalibRecord]:
     """Read and check a calibration set (the first `max_samples` records when given; later lines are not read)."""
     if max_samples is not None and max_samples <= 0:
         raise CalibError(f"max_samples must be positive, got {max_samples}")
-    index = resolve_dataset(dataset)
-    root = index.parent
+    files = resolve_dataset(dataset)
     records: list[CalibRecord] = []
-    try:
-        lines = index.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CalibError(f"cannot read calibration index {index}: {exc}") from None
-    for lineno, line in enumerate(lines, start=1):
+    for index in files:
         if max_samples is not None and len(records) >= max_samples:
             break
-        if not line.strip():
-            continue
-        where = f"{index}:{lineno}"
+        root = index.parent
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CalibError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(item, dict):
-            raise CalibError(f"{where}: expected a JSON object with 'text' and/or 'image', got {type(item).__name__}")
-        unknown = sorted(set(item) - set(RECORD_KEYS))
-        if unknown:
-            raise CalibError(f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(RECORD_KEYS)}")
-        text = item.get("text")
-        if text is not None and not isinstance(text, str):
-            raise CalibError(f"{where}: 'text' must be a string, got {type(text).__name__}")
-        image = _check_image(item["image"], root, where) if item.get("image") is not None else None
-        if not (text or "").strip():
-            if image is None:
-                raise CalibError(f"{where}: record has neither text nor image")
-            text = default_text
-        records.append(CalibRecord(text=text, image=image))
+            with open(index, encoding="utf-8") as lines:
+                for lineno, line in enumerate(lines, start=1):
+                    if max_samples is not None and len(records) >= max_samples:
+                        break
+                    if line.strip():
+                        records.append(_record(line, f"{index}:{lineno}", root, default_text))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CalibError(f"cannot read calibration index {index}: {exc}") from None
+    index = files[0] if len(files) == 1 else files[0].parent
     if not records:
         raise CalibError(f"calibration dataset {index} has no records")
     logger.debug("%d calibration records from %s (%d with an image)", len(records), index,

@@ -10,6 +10,7 @@ spec:
   default_text: "Describe this image."         # text of image-only samples (required for the multimodal service)
   max_samples: 16                              # optional
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
+  micro_batch_tokens: 8192                     # optional; records of one length share a forward up to this
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
 `spec.process` / `spec.save` become lists of `PracticeStep(type, config, cls)`. Processor and saver entries are built
@@ -41,6 +42,7 @@ from msmodelslim.errors import UserError
 # A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
 # no layer-wise run finishes on that, and calibration needs far fewer).
 DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MICRO_BATCH_TOKENS = 8192  # a forward of 8k tokens: ~2 GiB of a full-size layer's activations
 ApiVersion = Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]  # the text and the multimodal service
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
 
@@ -418,12 +420,14 @@ class Spec(StrictConfig):
     default_text: str = ""
     max_samples: int | None = None
     max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
+    # Records of one length are forwarded together, up to this many tokens per forward (null: one record each).
+    micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
     fallback: list[FallbackConfig] = field(default_factory=list)  # linears kept in higher precision
 
     def validate(self) -> None:
         if not self.dataset.strip():
             raise ValueError("dataset must not be empty")
-        for name in ("max_samples", "max_seq_len"):
+        for name in ("max_samples", "max_seq_len", "micro_batch_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -159,3 +161,26 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif device.type == "npu":
         torch.npu.empty_cache()
+
+
+@contextlib.contextmanager
+def tensor_core_fp32_matmuls(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """Let fp32 matmuls use TF32 (CUDA) / HF32 (Ascend) tensor cores inside the block. For inputs the reduced format
+    holds exactly: it keeps 10 mantissa bits, more than bf16's 7 (KDA's 16-bit inputs, the Hessians' 8-bit
+    digits); the products then accumulate in fp32."""
+    if device.type == "cuda":
+        flags = torch.backends.cuda.matmul
+        name, value = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)
+    elif device.type == "npu":
+        flags, name, value = torch.npu.matmul, "allow_hf32", True
+    else:
+        enabled = False
+    if not enabled:
+        yield
+        return
+    old = getattr(flags, name)
+    setattr(flags, name, value)
+    try:
+        yield
+    finally:
+        setattr(flags, name, old)

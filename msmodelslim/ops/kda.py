@@ -15,16 +15,17 @@ overflow, and no [C, C, K] pairwise tensor is built, so memory is O(T). The UT t
 is one batched triangular solve on CPUs and recursive doubling (matmuls only) on accelerators. Chunks are processed
 in cache-sized groups that reuse one set of buffers; per chunk only five small matmuls and a scaling are sequential
 (the walk). With 16-bit inputs on accelerators the fp32 matmuls may use TF32/HF32 tensor cores (see
-``_tensor_core_fp32_matmuls``).
+``tensor_core_fp32_matmuls``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
+
+from msmodelslim.core.device import tensor_core_fp32_matmuls
 
 CHUNK_SIZE = 16  # on CPUs: the sequential work is the same for any chunk size, the in-chunk work grows with it
 CHUNK_SIZE_ACCEL = 64  # on accelerators: fewer sequential steps (kernel launches)
@@ -402,28 +403,6 @@ def _chunk_group(q, k, v, g, beta, S, n, C, scale, qk_l2norm, bufs: _Workspace |
     return o_grp, S
 
 
-@contextlib.contextmanager
-def _tensor_core_fp32_matmuls(device: torch.device, enabled: bool):
-    """Let fp32 matmuls use TF32 (CUDA) / HF32 (Ascend) tensor cores while the kernel runs. Used for 16-bit inputs:
-    the reduced format keeps 10 mantissa bits, more than bf16's 7, and the products of 16-bit inputs are exact in it."""
-    if device.type == "cuda":
-        flags = torch.backends.cuda.matmul
-        name, value = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)
-    elif device.type == "npu":
-        flags, name, value = torch.npu.matmul, "allow_hf32", True
-    else:
-        enabled = False
-    if not enabled:
-        yield
-        return
-    old = getattr(flags, name)
-    setattr(flags, name, value)
-    try:
-        yield
-    finally:
-        setattr(flags, name, old)
-
-
 def _chunk_core(q, k, v, g, beta, h0, scale, qk_l2norm, chunk_size: int):
     """q, k [B, T, H, K]; v [B, T, H, V]; g (log-decay, <= 0), beta: fp32 [B, T, H, K] / [B, T, H]; h0 [B, H, K, V]
     or None. Walks groups of chunks sized to stay in cache on CPUs (few, large launches on accelerators)."""
@@ -493,7 +472,7 @@ def chunk_kda(
                   kwargs.get("dt_bias"))
 
     def core(*a):
-        with _tensor_core_fp32_matmuls(q.device, q.dtype in (torch.bfloat16, torch.float16)):
+        with tensor_core_fp32_matmuls(q.device, q.dtype in (torch.bfloat16, torch.float16)):
             return _chunk_core(*a, chunk_size=chunk_size)
 
     return _run(core, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, initial_state, output_final_state,

@@ -204,6 +204,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         with ascend_check.run_checked(device, request.ascend_check, checked):
             stats = runner.run(mine)
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
+                  "calibration_passes": dict(stats.passes),
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         peak = peak_device_bytes(device)
         if peak is not None:

@@ -3,7 +3,12 @@
 Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (the runner answers
 what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
-follow the head), with the quant report's observers on its quantized linears (pipeline/report.py) -> save -> free.
+follow the head), with the quant report's observers on its quantized linears (pipeline/report.py) -> save -> free
+-> keep the resumable state (written in the background while the next unit computes).
+
+A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
+attention-residual blocks, MTP inputs) lives on the host, and an accelerator holds one micro-batch of it at a time:
+at a million calibration tokens that state is tens of GB, the device's share of it stays one forward's.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +26,10 @@ from torch import nn
 from tqdm import tqdm
 
 from msmodelslim.core import ascend_check
-from msmodelslim.core.device import bind_device, release_cached_memory
+from msmodelslim.core.device import bind_device, release_cached_memory, synchronize
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
+from msmodelslim.core.placement import HOST
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
 from msmodelslim.pipeline.report import QuantReport
@@ -41,6 +47,7 @@ class RunStats:
     work, collectives included) say where that time went."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    passes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # forwards over the samples, per unit
 
     def add(self, stage: str, seconds: float) -> None:
         self.seconds[stage] += seconds
@@ -62,30 +69,49 @@ class LayerWiseRunner:
         self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
         self.resume_after = resume_after  # continue after this unit, from its kept state
         self.report = report  # the quant report (pipeline/report.py), collected during the forwards
+        self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
+        self._writing: Future | None = None
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool) -> list[dict[str, Any]]:
         steps = self.steps if self.steps is not None else len(states)
+        device = self.dist.device
+        self.stats.passes[unit.name] += 1
         outputs = []
         with torch.no_grad():
             for step in range(steps):
                 if step < len(states):
-                    out = self.adapter.forward_unit(unit, module, states[step])
+                    out = self.adapter.forward_unit(unit, module, _to_device(states[step], device))
                     if keep:
-                        outputs.append(out)
+                        outputs.append(_to_host(out))
                 else:
                     self.adapter.idle_unit(unit, module)
+        if keep and device.type != "cpu":
+            synchronize(device)  # the host copies of the outputs are complete
         return outputs
 
     def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
+        """Snapshot what the rest of the run depends on and write it in the background: the next unit computes
+        while unit `index`'s file is written (the states are never changed in place, only replaced). The runner
+        waits only for the previous write, so a run spends on its resumable state what the disk cannot hide."""
         t0 = time.perf_counter()
-        self.resume.save(self.dist.rank, index, {
+        self._wait_for_state()
+        snapshot = {
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],
             "processors": [processor.resume_state() for processor in self.processors],
             "report": None if self.report is None else self.report.resume_state(),
-        })
+        }
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
+        self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot)
         self.stats.add("resume_state", time.perf_counter() - t0)
+
+    def _wait_for_state(self) -> None:
+        """The write in flight, finished (its failure raised here)."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
 
     def _restore(self) -> list[dict[str, Any]]:
         kept = self.resume.load(self.dist.rank, self.resume_after)
@@ -95,7 +121,7 @@ class LayerWiseRunner:
             processor.restore_state(state)
         if self.report is not None and kept.get("report") is not None:
             self.report.restore_state(kept["report"])
-        return _to_device(kept["states"], self.dist.device)
+        return kept["states"]  # on the host, where the runner keeps them
 
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
         return_freed_tensors_to_os()
@@ -170,10 +196,16 @@ class LayerWiseRunner:
                     self._keep_state(i, states)
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
+            t0 = time.perf_counter()
+            self._wait_for_state()
+            self.stats.add("resume_state", time.perf_counter() - t0)
         finally:
             bar.close()
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if self._writer is not None:  # a failed run keeps the last unit it finished writing
+                wait([self._writing] if self._writing is not None else [])
+                self._writer.shutdown(wait=True)
 
         metadata: dict[str, Any] = {}
         extras = OutputExtras()
@@ -197,12 +229,28 @@ class LayerWiseRunner:
         return self.stats
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    """Kept calibration state (tensors in dicts, lists and tuples) back on the run's device."""
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """`fn` applied to every tensor of a sample's state (tensors in dicts, lists and tuples)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
     return value
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    """A sample's state on the run's device (a no-op on the host); from pinned memory the copy is asynchronous."""
+    return _map_tensors(state, lambda t: t.to(device, non_blocking=True))
+
+
+def _to_host(state: Any) -> Any:
+    """A sample's state on the host; from CUDA into pinned memory, asynchronously (the pass synchronizes once)."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cuda":
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return t.to(HOST)
+
+    return _map_tensors(state, move)

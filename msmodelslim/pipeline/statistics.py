@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
@@ -175,13 +176,16 @@ class Hessian(Statistic):
     def record(self, name: str, x: torch.Tensor) -> None:
         step = self.steps[name].to(x.device)
         last = self._last
-        same = last is not None and last[1].data_ptr() == x.data_ptr() and last[1].shape == x.shape \
-            and last[1]._version == x._version and torch.equal(last[2], step)
-        if name in self.leader and self.leader[name] != name:  # a follower: its leader just recorded this input
-            if not same or last[0] != self.leader[name]:
-                raise RuntimeError(f"{name} shared its input with {self.leader[name]} and then read another one")
+        same_input = last is not None and last[1].data_ptr() == x.data_ptr() and last[1].shape == x.shape \
+            and last[1]._version == x._version
+        leader = self.leader.get(name)
+        if leader is not None and leader != name:  # a follower: its leader just recorded this input
+            if not same_input or last[0] != leader:
+                raise RuntimeError(f"{name} shared its input with {leader} and then read another one")
             return
-        if name not in self.leader and same:  # first call: reads what the previous reader read
+        # first call: reads what the previous reader read, on the same grid (compared once per name and pass:
+        # torch.equal waits for the device)
+        if leader is None and same_input and torch.equal(last[2], step):
             self.leader[name] = last[0]
             return
         self.leader[name] = name
@@ -205,11 +209,26 @@ class Hessian(Statistic):
             return
         grid = rows[0] if len(rows) == 1 else torch.cat(rows)
         del rows
-        gram = exact_gram_packed(grid, self.triangle(grid.shape[1], grid.device))
+        with tensor_core_fp32_matmuls(grid.device):  # the digits are exact in TF32 / HF32 (module docstring)
+            gram = exact_gram_packed(grid, self.triangle(grid.shape[1], grid.device))
         if name in self.sums:
             self.sums[name].add_(gram)
         else:
             self.sums[name] = gram
+
+    def _agree_on_leaders(self, dist: DistContext, replicated: Callable[[str], bool]) -> None:
+        """A rank that forwarded no token cannot see which replicated readers share an input: it takes the sharing
+        the others saw (every rank must reduce the same sums), from one max-reduction of leader indices."""
+        shared = sorted(n for n in self.names if replicated(n))
+        if not dist.is_distributed or not shared:
+            return
+        index = {n: i for i, n in enumerate(shared)}
+        mine = torch.tensor([float(index[self.leader[n]]) if n in self.leader else -1.0 for n in shared],
+                            device=self.device)
+        agreed = dist.all_reduce_max({"leaders": mine})["leaders"].tolist()
+        for name, leader in zip(shared, agreed, strict=True):
+            if name not in self.leader and leader >= 0:
+                self.leader[name] = shared[int(leader)]
 
     def triangle(self, d: int, device: torch.device) -> Triangle:
         if d not in self.triangles:
@@ -221,9 +240,9 @@ class Hessian(Statistic):
         self._last = None
         for name in list(self.pending):
             self._flush(name)
+        self._agree_on_leaders(dist, replicated)
         for name in self.names:  # a module that saw no token: zeros of its own
-            if name not in self.leader:
-                self.leader[name] = name
+            if self.leader.setdefault(name, name) == name and name not in self.sums:
                 d = width(modules[name])
                 self.sums[name] = torch.zeros(d * (d + 1) // 2, dtype=torch.int64, device=self.device)
                 self.tokens[name] = 0
@@ -319,10 +338,11 @@ class HeadRanges(Statistic):
         heads, ratio = self.request.head_ranges[name]
         if x.dim() != 4 or x.shape[1] != heads:
             raise ValueError(f"{name}: expected an input [batch, {heads}, seq, dim], got {list(x.shape)}")
-        low, high = recall_window(x.detach().transpose(0, 1).reshape(heads, -1), ratio)
-        prev = self.values.get(name)
-        self.values[name] = (low, high) if prev is None else (torch.minimum(prev[0], low),
-                                                              torch.maximum(prev[1], high))
+        for sample in x.detach().split(1):  # a window per sample, also when a micro-batch holds several
+            low, high = recall_window(sample[0].reshape(heads, -1), ratio)
+            prev = self.values.get(name)
+            self.values[name] = (low, high) if prev is None else (torch.minimum(prev[0], low),
+                                                                  torch.maximum(prev[1], high))
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
@@ -336,4 +356,5 @@ class HeadRanges(Statistic):
 
 
 def kinds_for(request: Observe) -> list[type[Statistic]]:
-    return [k for k in KINDS if getattr(request, k.field)]
+    """The kinds a request asks for besides `absmax`, which every pass measures (pipeline/answers.py)."""
+    return [k for k in KINDS if k is not AbsMax and getattr(request, k.field)]
