@@ -93,14 +93,21 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     sizes = [int(t) for t in args.tokens.split(",")]
     trees = {"current": None, **({"baseline": args.baseline_tree} if args.baseline_tree else {})}
     out = BENCH_OUT / "Kimi-K3-layer-w4a8"
-    warmup = shrunken_practice(Path(args.practice), BENCH_OUT / "k3_layer_practice.yaml", 8, args.max_seq_len)
-    for tree in trees.values():  # Triton compilation and caches, not timed
-        run_quant(model, out, args.device, warmup, extra_env=_tree_env(tree))
+
+    def practice_for(t: int) -> Path:
+        folder, records = long_record_set(t, args.max_seq_len)
+        return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}.yaml", records,
+                                 args.max_seq_len, dataset=folder)
+
+    for tree in trees.values():  # Triton compilation and autotuning at the measured batch shapes, not timed
+        run_quant(model, out, args.device, practice_for(sizes[0]), extra_env=_tree_env(tree))
+    if args.profile:  # the operators of one run at the smallest size, by device time (printed, not in the JSON)
+        prefix = BENCH_OUT / "k3_layer_profile"
+        run_quant(model, out, args.device, practice_for(sizes[0]), extra_env={"MSMODELSLIM_PROFILE": str(prefix)})
+        print(Path(f"{prefix}.rank0").read_text(), flush=True)
     results: dict[str, list[dict]] = {name: [] for name in trees}
     for t in sizes:
-        folder, records = long_record_set(t, args.max_seq_len)
-        practice = shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}.yaml", records,
-                                     args.max_seq_len, dataset=folder)
+        practice = practice_for(t)
         for name, tree in trees.items():
             run = run_quant(model, out, args.device, practice, extra_env=_tree_env(tree))["ranks"][0]
             run["tokens_requested"] = t
@@ -145,6 +152,7 @@ def main() -> None:
     p.add_argument("--tokens", default=None, help="comma-separated calibration sizes T (tokens), each a generated "
                                                    "long-record set; replaces --samples")
     p.add_argument("--baseline-tree", default=None, help="with --tokens: also run another copy of the package")
+    p.add_argument("--profile", action="store_true", help="with --tokens: print the operator profile of a run")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")

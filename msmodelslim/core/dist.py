@@ -64,9 +64,9 @@ class DistContext:
 
     def all_reduce_sum(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Element-wise sum over ranks: one collective, names in sorted order, in int64 when every tensor is an
-        integer (exact in any order), else in the tensors' float dtype: exact only where at most one rank
-        contributes per element, which is the only way the runner sums floats that reach the weights (the quant
-        report's diagnostic sums are the one other use, kept to 4 significant digits: pipeline/report.py)."""
+        integer (exact in any order), else in the tensors' float dtype, which rounds in an order that depends on
+        the rank count: the replicated linears' Hessians (statistics.py) and the quant report's sums
+        (pipeline/report.py, kept to 4 significant digits). The same ranks in the same order give the same bytes."""
         return self._all_reduce(stats, torch_dist.ReduceOp.SUM)
 
     def _all_reduce(self, stats: dict[str, torch.Tensor], op: torch_dist.ReduceOp) -> dict[str, torch.Tensor]:

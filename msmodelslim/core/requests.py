@@ -7,8 +7,9 @@ answer, so it never runs a calibration forward, registers a hook or issues a col
     red = yield Reduce("max", {"w": local_max})            # -> dict, combined over ranks
     results = yield Jobs([Job("mlp.down_proj", ...)])      # -> {key: {output: tensor}}, shared by every rank
 
-Every answer is identical on every rank and does not depend on how many ranks there are: statistics reduce by
-max (exact) or as integer sums (exact), and a job runs on exactly one rank.
+Every answer is identical on every rank, and on a rerun or resume with as many ranks: statistics reduce by max
+(exact), as integer sums (exact) or, for the replicated linears' Hessians, as float32 sums (their last bits may
+depend on the rank count: pipeline/statistics.py); a job runs on exactly one rank.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ class Observe:
     """Statistics of module inputs over one calibration pass of the unit as it is now.
 
     - `absmax`: per input channel, max |x| (float32 [d]).
-    - `hessian`: X^T X over every token (float32 [d, d]), and the number of those tokens (`tokens`). The runner
-      rounds x onto a per-channel integer grid of 2^15 steps of its range and sums exactly in int64
-      (`pipeline/statistics.py`): the same on any number of ranks in any order. Readers of one input get one tensor
-      (read-only). The range comes from `ranges` when the processor has it for the unit as it is now, else from a
-      first pass.
+    - `hessian`: X^T X over every token (float32 [d, d], float32 sums of exact products in a fixed order:
+      `pipeline/statistics.py`), and the number of those tokens (`tokens`). Readers of one input get one tensor
+      (read-only). No pass of its own: it needs no range.
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
       of (max_j |x_j| * inv_j)^2 (float32 [c]), the spread a per-token activation quantizer meets after the input
       is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).

@@ -18,7 +18,7 @@ from torch import nn
 from msmodelslim.core.device import synchronize
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
-from msmodelslim.pipeline.statistics import AbsMax, kinds_for
+from msmodelslim.pipeline.statistics import kinds_for
 from msmodelslim.processor.base import UnitContext
 
 
@@ -56,45 +56,15 @@ def answer(ctx: UnitContext, request: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 # Statistics (the kinds and their exact reductions: statistics.py)
 # ---------------------------------------------------------------------------------------------------------------
-RANGE_GUESS_MARGIN = 2.0  # a Hessian grid guessed from earlier ranges spans twice them (one bit of its 2^15 steps)
-
-
 def observe(ctx: UnitContext, request: Observe) -> Stats:
-    """The statistics of one calibration pass, reduced over data-parallel ranks for the replicated modules (routed
-    experts under EP already saw every rank's tokens).
-
-    A Hessian needs its inputs' ranges before the pass (its grid, statistics.py). Every pass measures the ranges of
-    all of the unit's linears (`ctx.ranges`), so a later request is usually answered in one pass: its grid is
-    guessed as twice the last measured range (smoothing rescales the guess, `ctx.inputs_scaled`), and the pass
-    measures the real range too. A guess that proves short (rare: an input grew more than 2x since it was
-    measured) is followed by a pass on the measured ranges. Only a unit's first request may need a pass of its
-    own to measure ranges. Every guess and its check are reduced values: the same on any number of ranks."""
-    ranges = dict(request.ranges or {})
-    unknown = sorted(n for n in {*request.hessian, *request.token_ranges} if n not in ranges)
-    if any(n in unknown for n in request.token_ranges):
-        raise ValueError(f"unit {ctx.unit.name}: token ranges of {unknown[0]} need the ranges they were "
+    """One calibration pass with a hook per observed module, then each kind's reduction over data-parallel ranks
+    for the replicated modules (routed experts under EP already saw every rank's tokens)."""
+    missing_ranges = [n for n in request.token_ranges if n not in (request.ranges or {})]
+    if missing_ranges:
+        raise ValueError(f"unit {ctx.unit.name}: token ranges of {missing_ranges[0]} need the ranges they were "
                          f"computed from")
-    if any(n not in ctx.ranges for n in unknown):
-        _pass(ctx, Observe(absmax=tuple(unknown)), {})
-        ranges.update({n: ctx.ranges[n] for n in unknown})
-        return _pass(ctx, request, ranges)
-    guessed = {n: ctx.ranges[n] * RANGE_GUESS_MARGIN for n in unknown}
-    stats = _pass(ctx, request, {**ranges, **guessed})
-    if guessed:  # a rank's own experts' ranges are its own: the verdict is reduced so every rank agrees
-        short = torch.stack([(ctx.ranges[n] > guess).any() for n, guess in guessed.items()]).any()
-        if bool(ctx.dist.all_reduce_max({"short": short.float().reshape(1)})["short"]):
-            stats = _pass(ctx, request, {**ranges, **{n: ctx.ranges[n] for n in guessed}})
-    return stats
-
-
-def _pass(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor]) -> Stats:
-    """One calibration pass with a hook per observed module: the request's kinds, and the input ranges of every
-    linear of the unit (into `ctx.ranges`; `absmax` answers from them)."""
     modules = dict(ctx.module.named_modules())
-    kinds = [kind(request, ranges, ctx.device) for kind in kinds_for(request)]
-    measured = sorted({*request.absmax, *(n for n, m in modules.items() if n and isinstance(m, nn.Linear))})
-    absmax = AbsMax(Observe(absmax=tuple(measured)), ranges, ctx.device)
-    kinds.append(absmax)
+    kinds = [kind(request, dict(request.ranges or {}), ctx.device) for kind in kinds_for(request)]
     names = sorted({n for k in kinds for n in k.names})
     missing = [n for n in names if n not in modules]
     if missing:
@@ -124,8 +94,6 @@ def _pass(ctx: UnitContext, request: Observe, ranges: dict[str, torch.Tensor]) -
     with torch.no_grad():
         for k in kinds:  # the same kinds in the same order on every rank: the collectives line up
             k.finish(modules, ctx.dist, lambda n: not ctx.adapter.is_rank_local(n), stats)
-    ctx.ranges.update(stats.absmax)
-    stats.absmax = {n: stats.absmax[n] for n in request.absmax}
     return stats
 
 

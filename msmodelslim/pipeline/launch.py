@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
 NO_REPORT_ENV = "MSMODELSLIM_BENCH_NO_REPORT"  # "1": no quant report (benchmarks time the report's cost with it)
+PROFILE_ENV = "MSMODELSLIM_PROFILE"  # a file prefix: the run's operator profile (benchmarks)
 RENDEZVOUS_TIMEOUT_ENV = "MSMODELSLIM_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait for each other at start
 DEFAULT_RENDEZVOUS_TIMEOUT = 600.0  # ranks importing torch_npu on a busy host can take minutes to arrive
 _STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to die before it is killed
@@ -201,7 +202,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                                  report=report)
         start = time.perf_counter()
         checked: dict[str, int] = {}
-        with ascend_check.run_checked(device, request.ascend_check, checked):
+        with ascend_check.run_checked(device, request.ascend_check, checked), _profiled(rank):
             stats = runner.run(mine)
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
                   "calibration_passes": dict(stats.passes),
@@ -232,6 +233,22 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             torch_dist.destroy_process_group()
         if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
             _remove_orphaned_output(orphaned_output, request.work_dir, world, rank)
+
+
+@contextlib.contextmanager
+def _profiled(rank: int) -> Any:
+    """With $MSMODELSLIM_PROFILE (benchmarks only): the run under torch.profiler, its operators by device time
+    written to `$MSMODELSLIM_PROFILE.rank<r>`."""
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(f"{path}.rank{rank}").write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
 
 
 def run_service(request: QuantRequest) -> None:

@@ -5,14 +5,12 @@ no token reports (so every rank reduces the same names), its exact reduction ove
 processors receive. A new statistic is one registered class; the runner (`answers.observe`) only drives them.
 
 Everything runs on the run's device in Ascend-safe arithmetic (docs/npu.md): float32 and integers, matrix products
-in float32, collectives in float32 (max) or int64 (sums). The sums are exact, so every answer is identical on any
-number of ranks in any order:
+in float32, collectives in float32 or int64. Every answer is the same on a rerun and on a resume with the same
+number of ranks; across rank counts:
 
-- Hessians: x on a per-channel grid of 2^15 steps of its range, each grid value split into two digits of at most
-  2^7; a float32 product of digits over at most 2^10 tokens sums integers below 2^24 (exact in float32 in any
-  order, also with TF32 / HF32 inputs, which hold such digits exactly), and the chunks add up in int64, upper
-  triangle only.
-- token ranges: per token an integer on a grid of the candidate's bound, summed in int64.
+- Hessians: float32 sums in a fixed order (`Hessian`): a routed expert's are identical on any number of ranks,
+  the replicated linears' may differ in their last bits (their per-rank sums are added over ranks).
+- token ranges: per token an integer on a grid of the candidate's bound, summed in int64: exact.
 - maxima (absmax, head ranges): max is exact.
 """
 
@@ -29,10 +27,7 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
 
-HESSIAN_GRID_BITS = 15  # x is rounded to 2^15 steps of its channel range: |grid| <= 2^15
-HESSIAN_DIGIT_BITS = 8  # grid = hi * 2^8 + lo with |hi|, |lo| <= 2^7: digit products <= 2^14
-HESSIAN_CHUNK_TOKENS = 1 << (24 - 2 * (HESSIAN_DIGIT_BITS - 1))  # 2^10 tokens: float32 partial sums <= 2^24
-HESSIAN_MAX_TOKENS = 1 << 32  # int64 sums of products <= 2^30 stay below 2^63
+HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
 TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
 
@@ -93,61 +88,6 @@ class AbsMax(Statistic):
         stats.absmax.update({**self.values, **shared})
 
 
-def grid_steps(ranges: torch.Tensor) -> torch.Tensor:
-    """Per channel, the grid step of the Hessian: range / 2^15 (exact in float32), 1 for a silent channel."""
-    r = ranges.float()
-    return torch.where(r > 0, r / (1 << HESSIAN_GRID_BITS), torch.ones_like(r))
-
-
-class Triangle:
-    """The upper triangle (diagonal included) of a symmetric [d, d] matrix as a packed vector of d(d+1)/2: flat
-    int32 indices of (i, j), i <= j, and of its mirror (j, i). A Hessian's integer sums are kept packed: half the
-    memory of the full matrix, and half of what the ranks exchange."""
-
-    def __init__(self, d: int, device: torch.device) -> None:
-        rows, cols = torch.triu_indices(d, d, device=device, dtype=torch.int32)  # d * d < 2^31 for d < 46341
-        self.d = d
-        self.upper = rows * d + cols
-        self.lower = cols * d + rows
-
-    def pack(self, full: torch.Tensor) -> torch.Tensor:
-        return full.reshape(-1)[self.upper]
-
-    def pack_mirror(self, full: torch.Tensor) -> torch.Tensor:
-        """The upper triangle of full^T, without a transposed copy."""
-        return full.reshape(-1)[self.lower]
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(self.d * self.d, dtype=packed.dtype, device=packed.device)
-        full[self.upper] = packed
-        full[self.lower] = packed
-        return full.view(self.d, self.d)
-
-
-def exact_gram_packed(grid: torch.Tensor, triangle: Triangle) -> torch.Tensor:
-    """The upper triangle of G^T G (int64, packed) of an integer-valued float32 grid [tokens, d] with |G| <= 2^15,
-    exactly: float32 products of 8-bit digits over chunks of 2^10 tokens, summed in int64 (module docstring)."""
-    base = float(1 << HESSIAN_DIGIT_BITS)
-    hi = torch.round(grid / base)
-    lo = grid - hi * base
-    total = torch.zeros(triangle.upper.numel(), dtype=torch.int64, device=grid.device)
-    for start in range(0, grid.shape[0], HESSIAN_CHUNK_TOKENS):
-        h, lo_ = hi[start:start + HESSIAN_CHUNK_TOKENS], lo[start:start + HESSIAN_CHUNK_TOKENS]
-        total.add_(triangle.pack(h.t() @ h).to(torch.int64), alpha=1 << (2 * HESSIAN_DIGIT_BITS))
-        cross = h.t() @ lo_
-        total.add_(triangle.pack(cross).to(torch.int64), alpha=1 << HESSIAN_DIGIT_BITS)
-        total.add_(triangle.pack_mirror(cross).to(torch.int64), alpha=1 << HESSIAN_DIGIT_BITS)
-        del cross
-        total.add_(triangle.pack(lo_.t() @ lo_).to(torch.int64))
-    return total
-
-
-def exact_gram(grid: torch.Tensor) -> torch.Tensor:
-    """G^T G (int64 [d, d]), exactly (the full form of `exact_gram_packed`)."""
-    triangle = Triangle(grid.shape[1], grid.device)
-    return triangle.unpack(exact_gram_packed(grid, triangle))
-
-
 def _too_many_tokens(name: str, limit: int) -> str:
     return (f"{name}: more than {limit} calibration tokens reach this linear; its statistics would no longer sum "
             f"exactly (lower spec.max_samples or spec.max_seq_len)")
@@ -155,7 +95,15 @@ def _too_many_tokens(name: str, limit: int) -> str:
 
 @statistic
 class Hessian(Statistic):
-    """X^T X over every token (float32 [d, d]) and the token count, from exact integer sums on the grid.
+    """X^T X over every token (float32 [d, d]) and the token count.
+
+    The inputs' 16-bit products are exact in float32, and the sums accumulate in float32 (TF32 / HF32 tensor cores
+    on accelerators, which hold bf16 values exactly) in a fixed order: the rows of each micro-batch, then the
+    micro-batches in the order the runner forwards them. A routed expert's Hessian therefore has the same bytes on
+    any number of ranks (its rank sees every micro-batch's tokens in the global order), and the replicated
+    linears' per-rank sums are added over ranks in float32, which may move their last bits with the rank count
+    (docs/dev/architecture.md: what that does to the output). One product per ~2^10 rows is ~25x cheaper per
+    token than exact integer sums of 8-bit digits at a full-size width (bench/hessian_arith.py).
 
     Readers of one input (an expert's w1 and w3; q, k and v) keep one Hessian: the same tensor object under each
     name. A reader is linked to the one before it when both saw the same tensor at every call."""
@@ -164,17 +112,14 @@ class Hessian(Statistic):
 
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         super().__init__(request, ranges, device)
-        self.steps = {n: grid_steps(ranges[n]) for n in self.names}
-        self.triangles: dict[int, Triangle] = {}  # per width, for this pass
-        self.sums: dict[str, torch.Tensor] = {}  # leader -> int64 [d (d + 1) / 2], the packed upper triangle
-        self.pending: dict[str, list[torch.Tensor]] = {}  # leader -> grid rows not yet summed (< a chunk)
+        self.sums: dict[str, torch.Tensor] = {}  # leader -> float32 [d, d]
+        self.pending: dict[str, list[torch.Tensor]] = {}  # leader -> rows not yet summed (< a chunk)
         self.pending_rows: dict[str, int] = {}
         self.tokens: dict[str, int] = {}  # leader -> rows recorded on this rank
         self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
-        self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None  # (leader, input, step) of the last call
+        self._last: tuple[str, torch.Tensor] | None = None  # (leader, input) of the last call
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        step = self.steps[name].to(x.device)
         last = self._last
         same_input = last is not None and last[1].data_ptr() == x.data_ptr() and last[1].shape == x.shape \
             and last[1]._version == x._version
@@ -183,38 +128,38 @@ class Hessian(Statistic):
             if not same_input or last[0] != leader:
                 raise RuntimeError(f"{name} shared its input with {leader} and then read another one")
             return
-        # first call: reads what the previous reader read, on the same grid (compared once per name and pass:
-        # torch.equal waits for the device)
-        if leader is None and same_input and torch.equal(last[2], step):
+        if leader is None and same_input:  # first call: reads what the previous reader read
             self.leader[name] = last[0]
             return
         self.leader[name] = name
-        limit = float(1 << HESSIAN_GRID_BITS)
-        self.pending.setdefault(name, []).append(torch.round(x.float() / step).clamp_(-limit, limit))
+        self.pending.setdefault(name, []).append(x)
         self.pending_rows[name] = self.pending_rows.get(name, 0) + x.shape[0]
         self.tokens[name] = self.tokens.get(name, 0) + x.shape[0]
         if self.pending_rows[name] >= HESSIAN_CHUNK_TOKENS:
             self._flush(name)
-        self._last = (name, x, step)  # holding x keeps its address unique while it is compared
-        if self.tokens[name] > HESSIAN_MAX_TOKENS:
-            raise UserError(_too_many_tokens(name, HESSIAN_MAX_TOKENS))
+        self._last = (name, x)  # holding x keeps its address unique while it is compared
 
-    def _flush(self, name: str) -> None:
-        """Add the grid rows held for `name` to its sums. Calls with a few tokens each (a routed expert's) are
-        gathered up to a chunk first: the integer sums do not depend on the grouping, and one product over many
-        rows costs far less than many over a few."""
+    def _flush(self, name: str, final: bool = False) -> None:
+        """Add the rows held for `name` to its sums, in chunks of exactly HESSIAN_CHUNK_TOKENS rows (the last one
+        shorter, at the end of the pass): the float32 sums then depend on the sequence of rows only, never on how
+        they arrived in calls (a routed expert's come a few at a time, differently with another rank count), and
+        one product over many rows costs far less than many over a few."""
         rows = self.pending.pop(name, None)
         self.pending_rows.pop(name, None)
         if not rows:
             return
-        grid = rows[0] if len(rows) == 1 else torch.cat(rows)
+        x = rows[0] if len(rows) == 1 else torch.cat(rows)
         del rows
-        with tensor_core_fp32_matmuls(grid.device):  # the digits are exact in TF32 / HF32 (module docstring)
-            gram = exact_gram_packed(grid, self.triangle(grid.shape[1], grid.device))
-        if name in self.sums:
-            self.sums[name].add_(gram)
-        else:
-            self.sums[name] = gram
+        end = x.shape[0] if final else x.shape[0] // HESSIAN_CHUNK_TOKENS * HESSIAN_CHUNK_TOKENS
+        if end < x.shape[0]:
+            self.pending[name], self.pending_rows[name] = [x[end:].clone()], x.shape[0] - end
+        with tensor_core_fp32_matmuls(x.device):  # 16-bit inputs are exact in TF32 / HF32
+            for start in range(0, end, HESSIAN_CHUNK_TOKENS):
+                chunk = x[start:min(start + HESSIAN_CHUNK_TOKENS, end)].float()
+                if name in self.sums:
+                    self.sums[name].addmm_(chunk.t(), chunk)
+                else:
+                    self.sums[name] = chunk.t() @ chunk
 
     def _agree_on_leaders(self, dist: DistContext, replicated: Callable[[str], bool]) -> None:
         """A rank that forwarded no token cannot see which replicated readers share an input: it takes the sharing
@@ -230,41 +175,30 @@ class Hessian(Statistic):
             if name not in self.leader and leader >= 0:
                 self.leader[name] = shared[int(leader)]
 
-    def triangle(self, d: int, device: torch.device) -> Triangle:
-        if d not in self.triangles:
-            self.triangles[d] = Triangle(d, device)
-        return self.triangles[d]
-
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
         self._last = None
         for name in list(self.pending):
-            self._flush(name)
+            self._flush(name, final=True)
         self._agree_on_leaders(dist, replicated)
         for name in self.names:  # a module that saw no token: zeros of its own
             if self.leader.setdefault(name, name) == name and name not in self.sums:
                 d = width(modules[name])
-                self.sums[name] = torch.zeros(d * (d + 1) // 2, dtype=torch.int64, device=self.device)
+                self.sums[name] = torch.zeros(d, d, dtype=torch.float32, device=self.device)
                 self.tokens[name] = 0
         leaders = sorted(self.sums)
         shared = [n for n in leaders if replicated(n)]
-        counts = {n: torch.tensor([self.tokens[n]], dtype=torch.int64, device=self.device) for n in leaders}
-        reduced = dist.all_reduce_sum({**{f"h:{n}": self.sums[n] for n in shared},
-                                       **{f"n:{n}": counts[n] for n in shared}})
-        result: dict[str, torch.Tensor] = {}
+        counts = {n: torch.tensor([self.tokens[n]], dtype=torch.int64, device=self.device) for n in shared}
+        reduced = dist.all_reduce_sum({f"h:{n}": self.sums[n] for n in shared})
+        reduced.update(dist.all_reduce_sum({f"n:{n}": counts[n] for n in shared}))
         for n in leaders:
-            total, count = (reduced[f"h:{n}"], reduced[f"n:{n}"]) if n in shared else (self.sums[n], counts[n])
-            if int(count) > HESSIAN_MAX_TOKENS:  # over all ranks
-                raise UserError(_too_many_tokens(n, HESSIAN_MAX_TOKENS))
-            del self.sums[n]
-            step = self.steps[n].to(self.device)
-            h = self.triangle(step.numel(), self.device).unpack(total.to(torch.float32))
-            del total
-            result[n] = h.mul_(step[:, None]).mul_(step[None, :])
-            stats.tokens[n] = int(count)
-        self.triangles.clear()
+            h = reduced[f"h:{n}"] if n in shared else self.sums.pop(n)
+            self.sums.pop(n, None)
+            h = (h + h.t()).mul_(0.5)  # X^T X is symmetric; a GEMM's two triangles may round differently
+            stats.hessian[n] = h
+            stats.tokens[n] = int(reduced[f"n:{n}"]) if n in shared else self.tokens[n]
         for name in self.names:
-            stats.hessian[name] = result[self.leader[name]]
+            stats.hessian[name] = stats.hessian[self.leader[name]]
             stats.tokens[name] = stats.tokens[self.leader[name]]
 
 
@@ -356,5 +290,4 @@ class HeadRanges(Statistic):
 
 
 def kinds_for(request: Observe) -> list[type[Statistic]]:
-    """The kinds a request asks for besides `absmax`, which every pass measures (pipeline/answers.py)."""
-    return [k for k in KINDS if k is not AbsMax and getattr(request, k.field)]
+    return [k for k in KINDS if getattr(request, k.field)]

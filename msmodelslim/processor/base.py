@@ -25,20 +25,10 @@ class UnitContext:
     dist: DistContext
     # Runs this rank's calibration samples through the unit as it is now (no state is kept).
     run_samples: Callable[[], None]
-    # Per input channel max |x| of the unit's linears as the runner last measured them (reduced over ranks): the
-    # runner's guess at a Hessian grid's range, checked by the pass that uses it (pipeline/answers.py).
-    ranges: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
         return self.dist.device
-
-    def inputs_scaled(self, names: list[str], factor: torch.Tensor) -> None:
-        """A processor changed these modules' inputs to x * factor per channel (smoothing): the runner's ranges
-        follow, so the next pass's guess stays right."""
-        for name in names:
-            if name in self.ranges:
-                self.ranges[name] = self.ranges[name] * factor.to(self.ranges[name].device, torch.float32).abs()
 
 
 

@@ -224,7 +224,6 @@ class IterSmoothProcessor(Processor):
         full = s.repeat(sg.heads)
         for name in sg.targets + sg.float_targets:
             multiply_columns(modules[name].weight.data, full)
-        ctx.inputs_scaled(sg.targets + sg.float_targets, 1.0 / full)  # their inputs are now x / s
         self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
     # --- the search ---------------------------------------------------------------------------------------------

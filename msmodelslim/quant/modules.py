@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.functional import (
     dequantize,
@@ -214,13 +215,15 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
 
 def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """qx @ qweight^T of int8 tensors as float32. On CPUs an int32 GEMM, exact like the deployed int8 GEMM and
-    without a float copy of the weight (a 4 MB temporary per expert call otherwise); elsewhere float32 products,
-    exact while the sums stay below 2^24 (always for W4A8; W8A8 rows over ~1000 inputs can round in the last bits)."""
+    without a float copy of the weight (a 4 MB temporary per expert call otherwise); elsewhere float32 products on
+    TF32 / HF32 tensor cores, which hold 8-bit integers exactly: exact while the sums stay below 2^24 (always for
+    W4A8; W8A8 rows over ~1000 inputs can round in the last bits)."""
     if qx.device.type == "cpu":
         with not_on_npu("the CPU's int32 GEMM; an NPU takes the float32 product (no _int_mm kernel)"):
             return torch._int_mm(qx.reshape(-1, qx.shape[-1]), qweight.t()).to(torch.float32).view(
                 *qx.shape[:-1], qweight.shape[0])
-    return qx.to(torch.float32) @ qweight.to(torch.float32).t()
+    with tensor_core_fp32_matmuls(qx.device):
+        return qx.to(torch.float32) @ qweight.to(torch.float32).t()
 
 
 class QuantLinear(nn.Module):

@@ -50,6 +50,18 @@ def read_output(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, description
 
 
+def assert_same_layout(a: Path, b: Path) -> int:
+    """Outputs `a` and `b` hold the same tensors (names, shapes, dtypes) and identical descriptions: what a run on
+    another number of ranks must keep (its values may differ within the tolerance of test_data_parallel.py)."""
+    ta, da = read_output(a)
+    tb, db = read_output(b)
+    assert da == db, "quant_model_description.json differs"
+    assert sorted(ta) == sorted(tb), f"tensor names differ: {sorted(set(ta) ^ set(tb))[:5]}"
+    differing = [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape]
+    assert not differing, f"{len(differing)} tensors differ in shape or dtype, e.g. {differing[:5]}"
+    return len(ta)
+
+
 def assert_same_bytes(a: Path, b: Path) -> int:
     """Every tensor of output `a` equals output `b` byte for byte; the descriptions are identical."""
     ta, da = read_output(a)

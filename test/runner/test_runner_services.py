@@ -1,8 +1,9 @@
 """What the runner answers processors: statistics of calibration passes, reductions and shared jobs.
 
-References: float64 X^T X computed directly (rel. Frobenius error < 1e-5: x is rounded to 2^15 steps of its
-channel range); for rank invariance, the same tokens fed in another order and grouping must give bit-identical
-statistics; jobs over two gloo ranks must give every rank the single-process results, each job run once.
+References: float64 X^T X computed directly (rel. Frobenius error < 1e-6: float32 sums of exact products); for
+rank invariance, the same tokens fed in another grouping must give bit-identical Hessians when the order is kept
+(a routed expert's case) and bit-identical token ranges in any order; jobs over two gloo ranks must give every rank
+the single-process results, each job run once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.model.base import Unit
 from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
-from msmodelslim.pipeline.statistics import HESSIAN_GRID_BITS, exact_gram
+from msmodelslim.pipeline.statistics import HESSIAN_CHUNK_TOKENS
 from msmodelslim.processor.base import UnitContext
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,36 +60,36 @@ def test_hessian_is_x_transpose_x():
     stats = observe(context(module, [x[:40], x[40:]]), Observe(hessian=("a", "b"), absmax=("a",)))
     ref = x.double().t() @ x.double()
     for name in ("a", "b"):
-        assert float((stats.hessian[name] - ref).norm() / ref.norm()) < 1e-5
+        assert float((stats.hessian[name] - ref).norm() / ref.norm()) < 1e-6
         assert stats.tokens[name] == 90
     assert torch.equal(stats.absmax["a"], x.abs().amax(0))
 
 
-def test_statistics_do_not_depend_on_the_order_or_grouping_of_tokens():
+def test_token_ranges_do_not_depend_on_the_order_or_grouping_of_tokens():
     """What data-parallel ranks change (which samples a rank sums first, which tokens share a call): nothing."""
     x = tokens(1)
     module = two_readers()
     inv = 1.0 / torch.stack([torch.ones(12), torch.linspace(0.5, 3, 12)]).double()
-    request = lambda ranges: Observe(hessian=("a",), token_ranges={"a": inv}, ranges=ranges)  # noqa: E731
+    request = lambda ranges: Observe(token_ranges={"a": inv}, ranges=ranges)  # noqa: E731
     ranges = observe(context(module, [x]), Observe(absmax=("a",))).absmax
     one = observe(context(module, [x]), request(ranges))
     other = observe(context(module, [x[70:], x[:13], x[13:70]]), request(ranges))
-    assert torch.equal(one.hessian["a"], other.hessian["a"])
     assert torch.equal(one.token_ranges["a"], other.token_ranges["a"])
     ref = torch.stack([(x.double().abs() * inv[c]).amax(-1).square().sum() for c in range(2)])
     assert float(((one.token_ranges["a"] - ref) / ref).abs().max()) < 1e-6  # float32 per token (no device float64)
 
 
-@pytest.mark.parametrize("tokens", [1, 1023, 1024, 3000])
-def test_exact_gram_equals_the_integer_product_whatever_the_chunking(tokens: int):
-    """G^T G from float32 digit products and int64 chunk sums equals the float64 integer product bit for bit
-    (every entry below 2^53 here), including grid values at the +-2^15 limits."""
-    g = torch.Generator().manual_seed(tokens)
-    limit = 1 << HESSIAN_GRID_BITS
-    grid = torch.randint(-limit, limit + 1, (tokens, 9), generator=g).float()
-    grid[0, :3] = torch.tensor([limit, -limit, limit - 1])
-    ref = grid.double().t() @ grid.double()
-    assert torch.equal(exact_gram(grid), ref.to(torch.int64))
+def test_a_hessian_does_not_depend_on_how_its_tokens_were_split_into_calls():
+    """A routed expert gets its tokens in the global order of the micro-batches but in calls whose sizes depend on
+    the rank count: its Hessian must not (rows are summed in chunks of HESSIAN_CHUNK_TOKENS whatever the calls)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3 * HESSIAN_CHUNK_TOKENS + 17, 12, generator=g) * 5).to(torch.bfloat16).float()
+    module = two_readers()
+    splits = [[x], [x[:5], x[5:900], x[900:2100], x[2100:]], [x[i:i + 64] for i in range(0, len(x), 64)]]
+    hessians = [observe(context(module, calls), Observe(hessian=("a",))).hessian["a"] for calls in splits]
+    assert all(torch.equal(hessians[0], h) for h in hessians[1:])
+    ref = x.double().t() @ x.double()
+    assert float((hessians[0] - ref).norm() / ref.norm()) < 1e-6
 
 
 def test_readers_of_one_input_share_one_hessian():

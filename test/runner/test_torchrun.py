@@ -1,7 +1,7 @@
 """Runs under torchrun (CPU, gloo): one rank per process, the ranks meet through torchrun's environment.
 
-References: the single-process output of the same command (every tensor byte for byte, the description equal:
-`assert_same_bytes`); for failures, exit statuses, the `msmodelslim: error:` lines, the process table (every process
+References: the output of the same command on two spawned processes (`--device cpu:0,1`, the same rank count: every
+tensor byte for byte, the description equal: `assert_same_bytes`); for failures, exit statuses, the `msmodelslim: error:` lines, the process table (every process
 of a run carries a marker in its environment) and a listing of the save directory's parent. Real torchrun
 subprocesses (`python -m torch.distributed.run`), the shipped W4A8 practice shrunk to 5 samples of 96 tokens.
 """
@@ -40,9 +40,10 @@ def practice(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The single-process output every torchrun layout must reproduce."""
+    """The output of two spawned processes, which every torchrun layout of two ranks must reproduce byte for byte
+    (the same rank count: test_data_parallel.py says what another count may change)."""
     out = tmp_path_factory.mktemp("single") / "out"
-    quant(QuantArgs(model_path=str(tiny_k3_checkpoint), save_path=str(out), device="cpu", model_type="Kimi-K3",
+    quant(QuantArgs(model_path=str(tiny_k3_checkpoint), save_path=str(out), device="cpu:0,1", model_type="Kimi-K3",
                     config_path=str(practice), trust_remote_code=True))
     return out
 
