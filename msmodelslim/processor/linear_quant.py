@@ -211,6 +211,7 @@ class LinearQuantProcessor(Processor):
         if weight_cfg.method == "gptq":  # every rank asks, also one whose linears all kept their bytes
             stats = yield Observe(hessian=tuple(linears))
             hessians, tokens = stats.hessian, stats.tokens
+            _log_expert_coverage(ctx, linears, tokens)
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
@@ -309,6 +310,19 @@ class LinearQuantProcessor(Processor):
         for i, name in enumerate(names):
             out[f"{name}.q"], out[f"{name}.scale"] = q[i], scale[i]
         return out
+
+
+def _log_expert_coverage(ctx: UnitContext, linears: dict[str, nn.Linear], tokens: dict[str, int]) -> None:
+    """The calibration tokens behind this rank's routed experts' Hessians (min / median / max) and how many saw
+    fewer tokens than their inputs (a rank-deficient Hessian, which GPTQ shrinks toward its diagonal)."""
+    local = {n: tokens[n] for n in linears if ctx.adapter.is_rank_local(n) and n in tokens}
+    if not local:
+        return
+    counts = sorted(local.values())
+    short = sum(local[n] < linears[n].in_features for n in local)
+    logger.info("linear_quant: %s: routed experts' Hessians saw %d / %d / %d tokens (min / median / max) on rank "
+                "%d; %d of %d linears saw fewer tokens than their inputs", ctx.unit.name, counts[0],
+                counts[len(counts) // 2], counts[-1], ctx.dist.rank, short, len(local))
 
 
 def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, LinearQuantConfig | None]:

@@ -123,8 +123,10 @@ def test_a_failing_rank_fails_the_whole_run_fast_and_publishes_nothing(tiny_k3: 
     message = str(info.value)
     assert ("injected failure on rank 1" in message) if how == "raise" else ("process 1" in message.lower())
     assert not (tmp_path / "out").exists()
-    # what stays is the resumable state of the units before layers.1 (vision, embed, layers.0), nothing published
-    assert ResumeState(tmp_path / ".out.partial").resume_point(2) == 2
+    # what stays is the resumable state of the units before layers.1 (vision, embed, layers.0), nothing published;
+    # a killed rank may die while layers.0's state is still being written (in the background): then embed's is kept
+    assert ResumeState(tmp_path / ".out.partial").resume_point(2) == 2 if how == "raise" else \
+        ResumeState(tmp_path / ".out.partial").resume_point(2) in (1, 2)
 
 
 def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
