@@ -70,7 +70,7 @@ def test_absolute_image_path_inside_the_dataset_is_allowed(tmp_path):
 def test_missing_and_empty_datasets(tmp_path):
     with pytest.raises(CalibError, match="calibration dataset not found"):
         load_calib_records(str(tmp_path / "none.jsonl"), "")
-    with pytest.raises(CalibError, match=f"{tmp_path} has no index.jsonl"):
+    with pytest.raises(CalibError, match=f"{tmp_path} has neither index.jsonl nor"):
         load_calib_records(str(tmp_path), "")
     with pytest.raises(CalibError, match="has no records"):
         load_calib_records(str(make_set(tmp_path, ["", ""])), "")
@@ -80,8 +80,18 @@ def test_missing_and_empty_datasets(tmp_path):
         load_calib_records("calibImages", "", max_samples=0)
 
 
+def test_a_folder_of_jsonl_shards_is_read_in_name_order_up_to_max_samples(tmp_path):
+    (tmp_path / "b.jsonl").write_text('{"text": "third"}\n{"text": "fourth"}\n')
+    (tmp_path / "a.jsonl").write_text('{"text": "first"}\n\n{"text": "second"}\n')
+    assert [r.text for r in load_calib_records(str(tmp_path), "")] == ["first", "second", "third", "fourth"]
+    assert [r.text for r in load_calib_records(str(tmp_path), "", max_samples=3)] == ["first", "second", "third"]
+    (tmp_path / "b.jsonl").write_text('{"text": "third"}\n{"txt": "bad"}\n')
+    with pytest.raises(CalibError, match=r"b\.jsonl:2: unknown key 'txt'"):
+        load_calib_records(str(tmp_path), "")
+
+
 def test_shipped_image_text_set():
-    assert resolve_dataset("calibImages") == resource_path("lab_calib") / "calibImages" / "index.jsonl"
+    assert resolve_dataset("calibImages") == [resource_path("lab_calib") / "calibImages" / "index.jsonl"]
     records = load_calib_records("calibImages", "Describe this image.")
     with_image = [r for r in records if r.image is not None]
     assert len(records) == 24 and len(with_image) == 20

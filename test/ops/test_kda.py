@@ -18,6 +18,7 @@ import torch
 from fla.ops.kda.gate import naive_kda_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 
+from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.ops import kda
 from msmodelslim.ops.kda import (
     chunk_kda,
@@ -103,19 +104,19 @@ def test_chunk_result_does_not_depend_on_the_grouping(monkeypatch):
 
 
 def test_tensor_core_matmuls_are_scoped_to_accelerators():
-    """TF32 for the kernel's fp32 matmuls is switched on only for the call on CUDA (16-bit inputs) and restored after,
+    """TF32 for the kernel's (and the Hessians') fp32 matmuls is switched on only for the call on CUDA (16-bit inputs) and restored after,
     also on errors; CPUs are left alone."""
     flags = torch.backends.cuda.matmul
     name, on = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)
     before = getattr(flags, name)
-    with kda._tensor_core_fp32_matmuls(torch.device("cuda"), True):
+    with tensor_core_fp32_matmuls(torch.device("cuda"), True):
         assert getattr(flags, name) == on
     assert getattr(flags, name) == before
-    with pytest.raises(ValueError), kda._tensor_core_fp32_matmuls(torch.device("cuda"), True):
+    with pytest.raises(ValueError), tensor_core_fp32_matmuls(torch.device("cuda"), True):
         raise ValueError("inside the kernel")
     assert getattr(flags, name) == before
     for device, enabled in ((torch.device("cuda"), False), (torch.device("cpu"), True)):
-        with kda._tensor_core_fp32_matmuls(device, enabled):
+        with tensor_core_fp32_matmuls(device, enabled):
             assert getattr(flags, name) == before
 
 
