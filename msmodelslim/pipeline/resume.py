@@ -8,8 +8,9 @@ process runs it), under `resume/`:
   toolkit version, the device type and the rank count); `--resume` refuses state of another run;
 - `rank<r>/unit<k>.pt`, per rank after unit k: the calibration state entering unit k + 1 (hidden states, attention
   residual blocks, MTP inputs), the savers' and the processors' state. Written to a temporary name, fsynced,
-  renamed, the folder fsynced: a file with its final name is complete. Each rank keeps its last two (ranks finish a
-  unit in lock-step, so the slowest rank is at most one unit behind the fastest);
+  renamed, the folder fsynced: a file with its final name is complete. Written in the background while the next
+  unit computes (pipeline/layer_wise.py). Each rank keeps its last three (ranks finish a unit in lock-step, so the
+  slowest rank is at most one unit behind the fastest, and its write at most one more);
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
@@ -35,7 +36,7 @@ from msmodelslim.errors import UserError
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
 _UNIT_FILE = re.compile(r"^unit(\d{5})\.pt$")
-KEEP = 2  # unit files per rank
+KEEP = 3  # unit files per rank
 
 
 def fingerprint(source: dict[str, str], practice: bytes, device_type: str, world_size: int) -> dict[str, Any]:
