@@ -8,7 +8,7 @@ DEMO_OUT  := demo_out/Kimi-K3-tiny-w4a8
 
 .PHONY: install demo test test-fast lint bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build).
@@ -28,7 +28,7 @@ SEED_TESTS := test/standin/test_vllm_names.py test/standin/test_make_checkpoint.
 	--deselect test/standin/test_make_checkpoint.py::test_router_matches_transformers_native_topk_router \
 	--deselect test/standin/test_make_checkpoint.py::test_mxfp4_experts_hold_the_generated_weights
 
-$(SEED_STAMP): setup.py
+$(SEED_STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(SEED_VENV)
 	$(SEED_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SEED_VENV)/bin/python -m pip install -q "torch==2.13.0"

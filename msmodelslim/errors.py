@@ -22,3 +22,10 @@ class Terminated(BaseException):
 class RankLost(RuntimeError):
     """A collective failed because another rank stopped or cannot be reached. This rank stops with one line and
     exit status 1; the rank that failed first says why (the built-in launcher reports that one)."""
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)` for a message (control characters come out escaped, also inside lists), cut to `limit`
+    characters so that a huge value cannot flood the one error line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"

@@ -8,11 +8,45 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
+import warnings
+
+from tqdm import tqdm
 
 from msmodelslim.errors import UserError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_LEVEL_ENV = "MSMODELSLIM_LOG_LEVEL"
+# C0 and C1 controls and DEL: a tag or a file name holding them could move the cursor, clear the screen or, with a
+# newline, forge a log line of its own
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text: str, keep_newlines: bool = False) -> str:
+    """`text` with control characters as `\\xNN` escapes (newlines and tabs kept when `keep_newlines`)."""
+    return _CONTROL.sub(lambda m: m.group() if keep_newlines and m.group() in "\n\t" else
+                        m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class _Formatter(logging.Formatter):
+    """Our own multi-line messages keep their lines; values inside them cannot add lines: every line after the
+    first is indented, so a line of its own always starts with the time."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = escape_controls(super().format(record), keep_newlines=True)
+        return text.replace("\n", "\n    ")
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes through `tqdm.write`, which clears the progress bar first and draws it again after the line, so a
+    log line never lands in the middle of the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: a failing handler reports and goes on
+            self.handleError(record)
 
 
 def configure_logging(level: str | None = None, rank: int | None = None) -> str:
@@ -23,6 +57,9 @@ def configure_logging(level: str | None = None, rank: int | None = None) -> str:
         raise UserError(f"{source}={name!r}: expected one of {', '.join(LOG_LEVELS)}")
     os.environ[LOG_LEVEL_ENV] = name
     prefix = f"[rank {rank}] " if rank is not None else ""
-    logging.basicConfig(level=getattr(logging, name.upper()), force=True,
-                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S")
+    # fla says this at import on every host without a Triton GPU; our kernels are pure PyTorch there anyway
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+    handler = _TqdmHandler(sys.stderr)
+    handler.setFormatter(_Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, name.upper()), force=True, handlers=[handler])
     return name

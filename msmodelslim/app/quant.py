@@ -40,6 +40,7 @@ from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint
+from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
 from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class QuantResult:
     seconds: float
     files: int
     bytes: int
+    copied: list[str]  # the model directory's files a consumer needs, copied into the output
     is_main: bool = True  # False on the ranks of a torchrun job other than 0 (rank 0 publishes)
 
 
@@ -166,6 +168,10 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     config = _read_model_config(model_path)
     _check_save_path(model_path, save_path)
     _check_remote_code(model_path, config, args.trust_remote_code)
+    missing = missing_consumer_files(model_path, config)
+    if missing:
+        raise UserError(f"--model_path {model_path}: {', '.join(missing)} missing (config.json names it; a consumer "
+                        "cannot load the output without it)")
     entry = load_registry().resolve(args.model_type)
     entry.check_dependencies()
     chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path, tags=args.tags)
@@ -528,6 +534,7 @@ def quant(args: QuantArgs) -> QuantResult:
         seconds=time.perf_counter() - start,
         files=len(files),
         bytes=sum(p.stat().st_size for p in files),
+        copied=[p.name for p in consumer_files(plan.save_path)] if main else [],
         is_main=main,
     )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from msmodelslim.errors import RankLost, Terminated, UserError
-from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging, escape_controls
 
 
 def _bool_literal(text: str) -> bool:
@@ -151,6 +151,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
           f"{'es' if result.device.world_size > 1 else ''}, {result.device.backend}{launch})")
     print(f"  output     {result.save_path} ({result.files} files, {_size(result.bytes)}; "
           f"practice copied to {practice_file_name(result.model_type)})")
+    print(f"  copied     {', '.join(result.copied) or '-'}")
     return 0
 
 
@@ -251,10 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_tune(ns)
         return _run_quant(ns)
     except UserError as exc:
-        print(f"msmodelslim: error: {exc}", file=sys.stderr)
+        print(f"msmodelslim: error: {escape_controls(str(exc))}", file=sys.stderr)
         return 2
     except RankLost as exc:
-        print(f"msmodelslim: error: {exc}", file=sys.stderr)
+        print(f"msmodelslim: error: {escape_controls(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("msmodelslim: interrupted", file=sys.stderr)

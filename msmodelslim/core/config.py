@@ -36,8 +36,9 @@ from typing import Any, Literal
 
 import yaml
 
+from msmodelslim.core.files import read_small_text
 from msmodelslim.core.report import ReportMetric, ranked, read_report
-from msmodelslim.errors import UserError
+from msmodelslim.errors import UserError, shown
 
 # A record's tokens beyond this are cut unless the practice sets spec.max_seq_len (a 1 MB record is 600k tokens:
 # no layer-wise run finishes on that, and calibration needs far fewer).
@@ -63,7 +64,15 @@ class SchemaError(ValueError):
 
 # --- YAML reading --------------------------------------------------------------------------------------------
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML would keep the last one silently)."""
+    """SafeLoader that refuses duplicate keys (PyYAML would keep the last one silently) and aliases: a few bytes of
+    `*ref` can expand to billions of nodes, and a practice gains nothing from them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} (aliases are not allowed in a "
+                                              "practice: write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -80,13 +89,9 @@ class _StrictLoader(yaml.SafeLoader):
 def _parse_yaml(path: Path, what: str) -> Any:
     """The YAML document of `path` (`what`: the kind of file, for the errors)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PracticeError(f"{what} file not found: {path}") from None
-    except IsADirectoryError:
-        raise PracticeError(f"{what} path is a directory, expected a YAML file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PracticeError(f"cannot read {what} file {path}: {exc}") from None
+        text = read_small_text(path, what)
+    except UserError as exc:
+        raise PracticeError(str(exc)) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
@@ -141,16 +146,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
-        raise SchemaError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise SchemaError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
     if origin is Literal:
         if value not in args or type(value) not in {type(a) for a in args}:
-            raise SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(map(str, args))}")
+            raise SchemaError(path, f"{shown(value)} is not allowed; expected one of {', '.join(map(str, args))}")
         return value
     if value is None:
         raise SchemaError(path, f"must not be null; expected {_type_name(tp)}")
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise SchemaError(path, f"expected a list, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a list, got {type(value).__name__} {shown(value)}")
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
                 raise SchemaError(path, f"expected a list of {len(args)} items, got {len(value)}")
@@ -160,7 +165,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise SchemaError(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a mapping, got {type(value).__name__} {shown(value)}")
         key_tp, val_tp = args if args else (Any, Any)
         return {
             _convert(key_tp, k, _join(path, str(k))): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()
@@ -173,34 +178,34 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for member in tp:
             if value == member.value or value == member.name:
                 return member
-        raise SchemaError(path, f"{value!r} is not allowed; expected one of {', '.join(str(m.value) for m in tp)}")
+        raise SchemaError(path, f"{shown(value)} is not allowed; expected one of {', '.join(str(m.value) for m in tp)}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise SchemaError(path, f"expected true/false, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected true/false, got {type(value).__name__} {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SchemaError(path, f"expected an integer, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected an integer, got {type(value).__name__} {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SchemaError(path, f"expected a number, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a number, got {type(value).__name__} {shown(value)}")
         if not math.isfinite(value):  # YAML's .inf / .nan: no field of a practice means "unbounded" by them
-            raise SchemaError(path, f"expected a finite number, got {value!r}")
+            raise SchemaError(path, f"expected a finite number, got {shown(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise SchemaError(path, f"expected a string, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a string, got {type(value).__name__} {shown(value)}")
         return value
     if tp is Path:
         if isinstance(value, Path):
             return value
         if not isinstance(value, str):
-            raise SchemaError(path, f"expected a path string, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected a path string, got {type(value).__name__} {shown(value)}")
         return Path(value)
     if isinstance(tp, type):
         if not isinstance(value, tp):
-            raise SchemaError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+            raise SchemaError(path, f"expected {tp.__name__}, got {type(value).__name__} {shown(value)}")
         return value
     raise TypeError(f"{path}: unsupported type hint {tp!r} in a config dataclass")
 
@@ -231,7 +236,7 @@ def build_dataclass(
     Errors are SchemaErrors with the key path from the top (`path` is where `data` sits).
     """
     if not isinstance(data, Mapping):
-        raise SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
+        raise SchemaError(path, f"expected a mapping of {cls.__name__} fields, got {type(data).__name__} {shown(data)}")
     strict = issubclass(cls, StrictConfig)
     hints = _field_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
@@ -473,7 +478,7 @@ def _build_steps(value: Any, path: str, registry: Mapping[str, Any], kind: str) 
     for i, entry in enumerate(value):
         entry_path = _join(path, i)
         if not isinstance(entry, Mapping):
-            raise SchemaError(entry_path, f"expected a mapping with a 'type' key, got {type(entry).__name__} {entry!r}")
+            raise SchemaError(entry_path, f"expected a mapping with a 'type' key, got {type(entry).__name__} {shown(entry)}")
         if "type" not in entry:
             raise SchemaError(_join(entry_path, "type"), f"required key is missing; expected one of {known}")
         name = entry["type"]

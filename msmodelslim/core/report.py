@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from msmodelslim.core.files import read_small_text
 from msmodelslim.errors import UserError
 
 REPORT_FILE = "quant_report.json"
@@ -31,16 +32,18 @@ ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", 
 # the linears' input activations, as these fields do)
 METRIC_ALIASES = {"mse": "error", "kurtosis": "act_kurtosis", "std": "act_peak_ratio", "quantile": "act_channel_ratio"}
 ANALYZE_METRICS: tuple[str, ...] = (*METRIC_ALIASES, *get_args(ReportMetric))
+# a report holds an entry per linear: ~200 bytes each, ~150k linears in Kimi-K3 with its MTP layers
+MAX_REPORT_BYTES = 256 << 20
 DEFAULT_TOP_K = 15  # msModelSlim's analyze default
 
 
 def read_report(path: Path) -> dict[str, Any]:
     """A quant report, checked for its shape (UserError naming the file)."""
+    if not Path(path).exists():
+        raise UserError(f"{path}: no such quant report")
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such quant report") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report = json.loads(read_small_text(Path(path), "quant report", MAX_REPORT_BYTES))
+    except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not a readable quant report ({exc})") from None
     if not isinstance(report, dict) or report.get("version") != REPORT_VERSION \
             or not isinstance(report.get("linears"), dict) or not isinstance(report.get("source"), dict):

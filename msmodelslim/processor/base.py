@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from msmodelslim.core.config import StrictConfig
+from msmodelslim.core.config import SchemaError, StrictConfig
 from msmodelslim.core.dist import DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.processor.globs import check_globs
 
 
 @dataclass
@@ -36,6 +37,17 @@ class UnitContext:
 class ProcessorConfig(StrictConfig):
     """Base of every processor config; subclasses are dataclasses whose fields are the YAML keys, checked by the
     schema builder whether they come from a practice or from `build(**fields)`."""
+
+    GLOB_FIELDS = ("include", "exclude")  # checked here for every processor that selects by name
+
+    def __post_init__(self) -> None:
+        for key in self.GLOB_FIELDS:
+            if isinstance(getattr(self, key, None), list):
+                try:
+                    check_globs(getattr(self, key))
+                except ValueError as exc:
+                    raise SchemaError(key, str(exc)) from None
+        super().__post_init__()
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field for values out of range."""

@@ -50,7 +50,7 @@ from torch import nn
 
 from msmodelslim.core.config import StrictConfig
 from msmodelslim.core.requests import Job, Jobs, Observe
-from msmodelslim.errors import UserError
+from msmodelslim.errors import UserError, shown
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import matching, selected
@@ -189,10 +189,11 @@ class LinearQuantProcessor(Processor):
         matched = sum(select(name, unit.kind, cfg.include, cfg.exclude) for unit, name in linears)
         if not matched:
             example = names[len(names) // 2] if names else "(none)"
-            raise UserError(f"linear_quant ({cfg.scheme.name}): include {cfg.include} exclude {cfg.exclude} selects "
-                            f"none of the model's {len(names)} linears (for example {example})")
-        logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name, cfg.include,
-                    cfg.exclude, matched, len(names))
+            raise UserError(f"linear_quant ({cfg.scheme.name}): include {shown(cfg.include, 200)} exclude "
+                            f"{shown(cfg.exclude, 200)} selects none of the model's {len(names)} linears "
+                            f"(for example {example})")
+        logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name,
+                    shown(cfg.include, 200), shown(cfg.exclude, 200), matched, len(names))
 
     def process_unit(self, ctx: UnitContext) -> Any:
         cfg = self.config

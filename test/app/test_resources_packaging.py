@@ -36,11 +36,13 @@ def test_source_checkout_uses_top_level_folders():
 def test_wheel_ships_every_resource_file_and_resolves_them(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    shutil.copy(REPO / "setup.py", src)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src)
     for name in ("msmodelslim", *RESOURCE_KINDS):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ".",
-                    "-w", str(tmp_path / "dist")], cwd=src, check=True, capture_output=True)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ".",
+                            "-w", str(tmp_path / "dist")], cwd=src, check=True, capture_output=True, text=True)
+    assert "Warning" not in build.stdout + build.stderr, build.stderr[-2000:]  # e.g. setuptools' "would be ignored"
     (wheel,) = (tmp_path / "dist").glob("msmodelslim-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())

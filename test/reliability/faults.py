@@ -9,6 +9,7 @@ bench/failures.py (which times every case).
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import zlib
@@ -280,6 +281,39 @@ def save_parent_is_a_file(model: Path, ws: Path) -> list[str]:
     return ["--save_path", str(ws / "plain_file" / "out")]
 
 
+def missing_remote_code(model: Path, ws: Path) -> list[str]:
+    (model / "modeling_kimi_k3.py").unlink()  # config.json's auto_map names it
+    return []
+
+
+def practice_alias_bomb(model: Path, ws: Path) -> list[str]:
+    # nine levels of nine aliases: 9^9 = 387M strings in `include` from a few hundred bytes
+    levels = ['a0: &a0 ["*x*", "*x*", "*x*", "*x*", "*x*", "*x*", "*x*", "*x*", "*x*"]']
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    path = ws / "bomb.yaml"
+    path.write_text("\n".join(levels) + "\n" + W4A8_PRACTICE.read_text().replace('include: ["*experts.*"]',
+                                                                                "include: *a9"))
+    return ["--config_path", str(path)]
+
+
+def practice_is_a_fifo(model: Path, ws: Path) -> list[str]:
+    os.mkfifo(ws / "practice.yaml")  # opening it would wait for a writer forever
+    return ["--config_path", str(ws / "practice.yaml")]
+
+
+def practice_is_dev_zero(model: Path, ws: Path) -> list[str]:
+    return ["--config_path", "/dev/zero"]
+
+
+def too_many_glob_patterns(model: Path, ws: Path) -> list[str]:
+    globs = ", ".join(f'"*layers.{i}.*"' for i in range(600))
+    return practice(ws, {'include: ["*experts.*"]': f"include: [{globs}]"})
+
+
+def control_characters_in_tag(model: Path, ws: Path) -> list[str]:
+    return ["--tag", "Atlas_A2\x1b[2J\n12:00:00 INFO forged line"]
+
+
 FAULTS: dict[str, tuple[Fault, str]] = {
     "missing_shard": (missing_shard, r"shard model-\d+-of-\d+\.safetensors \(holding .*\) not found"),
     "truncated_shard": (truncated_shard, r"model-\d+-of-\d+\.safetensors: cannot read safetensors shard: .*incomplete"),
@@ -324,6 +358,15 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "huge_calibration_image": (huge_calibration_image, r"index\.jsonl:2: image 'big\.png' is 20000x20000 = 400 M "
                                                        r"pixels, above the 89 M pixel limit"),
     "save_parent_is_a_file": (save_parent_is_a_file, r"--save_path .*plain_file/out: cannot create .*plain_file"),
+    "missing_remote_code": (missing_remote_code, r"--model_path .*: modeling_kimi_k3\.py missing \(config\.json names "
+                            r"it"),
+    "practice_alias_bomb": (practice_alias_bomb, r"bomb\.yaml:2:\d+: invalid YAML: alias \*a0 \(aliases are not "
+                            r"allowed"),
+    "practice_is_a_fifo": (practice_is_a_fifo, r"practice path \S+practice\.yaml is not a regular file"),
+    "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
+    "too_many_glob_patterns": (too_many_glob_patterns, r"practice\.yaml: spec\.process\[2\]\.include: 600 glob "
+                               r"patterns, above the limit of 512"),
+    "control_characters_in_tag": (control_characters_in_tag, r"--tag Atlas_A2\\x1b\[2J\\n12:00:00 INFO forged"),
 }
 # Found by the checker (opening the checkpoint and its header walk) before any tensor is read: test_checker.py.
 CHECKER_FAULTS = ("missing_shard", "truncated_shard", "corrupt_header", "index_points_outside",

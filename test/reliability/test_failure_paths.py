@@ -90,7 +90,7 @@ def test_full_disk_is_refused_before_the_run(tiny_k3_checkpoint, tmp_path, capsy
 
 
 def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k3_checkpoint, tmp_path, capsys):
-    # a symlink to any readable file must never reach the output; a 250-byte name is valid and must work
+    # files of other kinds (a link to one too) never reach the output; a 250-byte name is valid and must work
     model = tmp_path / "model"
     shutil.copytree(tiny_k3_checkpoint, model)
     secret = tmp_path / "secret.txt"
@@ -109,6 +109,33 @@ def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k
     assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
     assert {oct(p.stat().st_mode & 0o777) for p in [save, *save.rglob("*")] if p.is_dir()} == {"0o755"}
     assert sorted(os.listdir(tmp_path)) == sorted(["model", "secret.txt", save.name])  # no lock, no temp dir
+
+
+def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_content(tiny_k3_checkpoint, tmp_path,
+                                                                                       capsys):
+    # The cache's snapshot is links into blobs/ under content hashes. Reference: the output's consumer files are
+    # regular files (not links) byte-equal to the blobs (config.json: same keys but quantization_config).
+    import hashlib
+    import json
+
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for src in sorted(tiny_k3_checkpoint.iterdir()):
+        blob = blobs / hashlib.sha256(src.read_bytes()).hexdigest()
+        shutil.copyfile(src, blob)
+        (snapshot / src.name).symlink_to(Path("../../blobs") / blob.name)
+    save = tmp_path / "out"
+    code = main(quant_args(snapshot, save, []))
+    assert code == 0, capsys.readouterr().err
+    for name in ["tokenizer.json", "tokenizer_config.json", "processor_config.json", "generation_config.json",
+                 "modeling_kimi_k3.py", "configuration_kimi_k3.py", "processing_kimi_k3.py"]:
+        out = save / name
+        assert out.is_file() and not out.is_symlink(), name
+        assert out.read_bytes() == (tiny_k3_checkpoint / name).read_bytes(), name
+    source_config = json.loads((tiny_k3_checkpoint / "config.json").read_text())
+    assert set(json.loads((save / "config.json").read_text())) >= set(source_config) - {"quantization_config"}
+    assert re.search(r"copied +config\.json, configuration_kimi_k3\.py, generation_config\.json", capsys.readouterr().out)
 
 
 def test_eval_of_an_output_made_from_another_checkpoint_is_refused(tiny_k3_checkpoint, tmp_path, capsys):

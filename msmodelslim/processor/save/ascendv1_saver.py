@@ -210,33 +210,54 @@ def clean_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def consumer_files(model_dir: Path) -> list[Path]:
-    """The model directory's top-level files a consumer needs: regular files (no links) of the known kinds."""
+    """The model directory's top-level files a consumer needs, of the known kinds. A link counts by its target: the
+    Hugging Face cache lays a snapshot out as links into `blobs/`, and the output gets the files' content."""
     model_dir = Path(model_dir)
-    found = []
-    for src in sorted(model_dir.iterdir()):
-        if src.is_symlink() or not src.is_file():
-            continue  # a link could point anywhere on this machine: its target is not the model's to publish
-        if src.name in CONSUMER_FILES or src.name.endswith(CONSUMER_SUFFIXES):
-            found.append(src)
-    return found
+    return [src for src in sorted(model_dir.iterdir())
+            if (src.name in CONSUMER_FILES or src.name.endswith(CONSUMER_SUFFIXES)) and src.is_file()]
+
+
+def remote_code_files(config: dict[str, Any]) -> list[str]:
+    """The module files config.json's `auto_map` (top level and sub-configs) names, e.g. `modeling_kimi_k3.py` for
+    "modeling_kimi_k3.KimiK3ForConditionalGeneration"; references into another repository ("repo--module.Class")
+    are not the directory's to ship."""
+    maps = [config.get("auto_map")] + [sub.get("auto_map") for sub in config.values() if isinstance(sub, dict)]
+    refs = [ref for auto_map in maps if isinstance(auto_map, dict) for value in auto_map.values()
+            for ref in (value if isinstance(value, list) else [value]) if isinstance(ref, str)]
+    return sorted({ref.rsplit(".", 1)[0] + ".py" for ref in refs if "--" not in ref and "." in ref})
+
+
+def missing_consumer_files(model_dir: Path, config: dict[str, Any]) -> list[str]:
+    """Required files a consumer cannot load the output without: config.json and the remote code it names (checked
+    before any compute; a dangling link counts as missing)."""
+    return [name for name in ["config.json", *remote_code_files(config)] if not (Path(model_dir) / name).is_file()]
 
 
 def copy_model_files(model_dir: Path, out_dir: Path, config_transform: Any) -> list[str]:
-    """Copy config / tokenizer / processor / remote-code files of the model directory (top level only);
-    config.json loses `quantization_config` and goes through `config_transform` (the adapter's output_config)."""
+    """Copy config / tokenizer / processor / remote-code files of the model directory (top level only, links
+    followed: real files in the output); config.json loses `quantization_config` and goes through
+    `config_transform` (the adapter's output_config)."""
+    config_file = Path(model_dir) / "config.json"
+    missing = missing_consumer_files(model_dir, _read_json(config_file)) if config_file.is_file() else ["config.json"]
+    if missing:  # checked before compute too; the directory may have changed during a long run
+        raise UserError(f"--model_path {model_dir}: {', '.join(missing)} missing (a consumer cannot load the "
+                        "output without it)")
     copied = []
     for src in consumer_files(model_dir):
         name = src.name
         if name == "config.json":
-            with open(src, encoding="utf-8") as f:
-                config = config_transform(clean_config(json.load(f)))
             with open(out_dir / name, "w", encoding="utf-8") as f:
-                json.dump(config, f, indent=2, ensure_ascii=False)
+                json.dump(config_transform(clean_config(_read_json(src))), f, indent=2, ensure_ascii=False)
                 f.write("\n")
         else:
-            shutil.copyfile(src, out_dir / name)
+            shutil.copyfile(src, out_dir / name)  # follows a link: the content, never the link
         copied.append(name)
     return copied
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 @register_saver("ascendv1_saver", AscendV1SaverConfig)

@@ -1,0 +1,39 @@
+"""Reading the small files a user hands us (practices, names files, reports, config.json) with limits: only
+regular files, and only up to a size, so that a FIFO, `/dev/zero` or a runaway file fails at once with one line."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from msmodelslim.errors import UserError
+
+MAX_SMALL_FILE_BYTES = 1 << 20  # a practice is a few KiB; a names file of a 2.8T model's linears is well under this
+
+
+def read_small_text(path: Path, what: str, limit: int = MAX_SMALL_FILE_BYTES) -> str:
+    """The text of a regular file of at most `limit` bytes. A FIFO, a device (`/dev/zero`) or a process
+    substitution would hang the run or grow without bound, so it is refused before it is opened."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise UserError(f"{what} file not found: {path}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise UserError(f"{what} path is a directory, expected a file: {path}")
+    if not stat.S_ISREG(info.st_mode):
+        raise UserError(f"{what} path {path} is not a regular file (a pipe, device or socket cannot be read as one)")
+    if info.st_size > limit:
+        raise UserError(f"{what} file {path} is {info.st_size / 2**20:.1f} MiB, above the {limit / 2**20:g} MiB limit")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:  # grew since the stat
+        raise UserError(f"{what} file {path} is above the {limit / 2**20:g} MiB limit")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"cannot read {what} file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
