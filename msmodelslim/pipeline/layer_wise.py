@@ -32,6 +32,7 @@ from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.placement import HOST
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
+from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.processor.base import OutputExtras, Processor
@@ -77,17 +78,26 @@ class LayerWiseRunner:
         steps = self.steps if self.steps is not None else len(states)
         device = self.dist.device
         self.stats.passes[unit.name] += 1
-        outputs = []
+        outputs, finite = [], []
         with torch.no_grad():
             for step in range(steps):
                 if step < len(states):
                     out = self.adapter.forward_unit(unit, module, _to_device(states[step], device))
+                    finite.append(all_finite(out))  # every pass: observers must never see a NaN
                     if keep:
                         outputs.append(_to_host(out))
                 else:
                     self.adapter.idle_unit(unit, module)
         if keep and device.type != "cpu":
             synchronize(device)  # the host copies of the outputs are complete
+        flags = [f for f in finite if f is not None]
+        bad = [i for i, flag in enumerate(finite) if flag is not None and not bool(flag)] \
+            if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
+        if bad:
+            culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
+                unit, module, _to_device(states[bad[0]], device)))
+            raise non_finite_error(unit.name, bad[0], culprit,
+                                   next((p.dtype for p in module.parameters()), torch.float32))
         return outputs
 
     def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:

@@ -168,6 +168,19 @@ class LinearQuantConfig(ProcessorConfig):
         return scheme_for(_dtype(self.qconfig.weight.dtype), None if act is None else _dtype(act.dtype))
 
 
+def _check_finite_hessians(ctx: UnitContext, hessians: dict[str, torch.Tensor]) -> None:
+    """A backstop behind the runner's check of every pass's outputs: one reduction per distinct Hessian, one read."""
+    distinct = {id(h): (name, h) for name, h in hessians.items() if h is not None}
+    if not distinct:
+        return
+    finite = torch.stack([torch.isfinite(h).all() for _, h in distinct.values()])
+    if not bool(finite.all()):
+        name = next(n for (n, _), ok in zip(distinct.values(), finite.tolist(), strict=True) if not ok)
+        raise UserError(f"unit {ctx.unit.name}: the calibration inputs of {ctx.adapter.checkpoint_name(ctx.unit, name)} "
+                        "hold NaN/Inf (its Hessian is not finite); likely cause: a weight or config value out of range "
+                        "for the model's dtype")
+
+
 def select(name: str, unit_kind: str, include: list[str], exclude: list[str]) -> bool:
     """The matching rule of linear_quant for one checkpoint name (see the module docstring)."""
     if unit_kind not in DECODER_KINDS:
@@ -212,6 +225,7 @@ class LinearQuantProcessor(Processor):
         if weight_cfg.method == "gptq":  # every rank asks, also one whose linears all kept their bytes
             stats = yield Observe(hessian=tuple(linears))
             hessians, tokens = stats.hessian, stats.tokens
+            _check_finite_hessians(ctx, hessians)
             _log_expert_coverage(ctx, linears, tokens)
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}

@@ -314,6 +314,30 @@ def control_characters_in_tag(model: Path, ws: Path) -> list[str]:
     return ["--tag", "Atlas_A2\x1b[2J\n12:00:00 INFO forged line"]
 
 
+def overflowing_norm(model: Path, ws: Path) -> list[str]:
+    # finite weights (the checkpoint check passes) whose product overflows bf16 in the first decoder layer
+    name = key(model, r"layers\.0\.input_layernorm\.weight$")
+    shape = load_file(str(model / weight_map(model)[name]))[name].shape
+    set_tensor(model, name, torch.full(shape, 3.0e38, dtype=torch.bfloat16))
+    return []
+
+
+def overflowing_norm_with_min_max_weights(model: Path, ws: Path) -> list[str]:
+    overflowing_norm(model, ws)
+    return practice(ws, {"method: gptq}": "method: minmax}"})
+
+
+def norm_epsilon_out_of_range(model: Path, ws: Path) -> list[str]:
+    edit_config(model, lambda c: c["text_config"].__setitem__("rms_norm_eps", -1.0))
+    return []
+
+
+def expert_count_spelled_for_another_class(model: Path, ws: Path) -> list[str]:
+    # accepted spelling, but the checkpoint's config class reads num_experts only
+    edit_config(model, lambda c: c["text_config"].__setitem__("n_routed_experts", c["text_config"].pop("num_experts")))
+    return []
+
+
 FAULTS: dict[str, tuple[Fault, str]] = {
     "missing_shard": (missing_shard, r"shard model-\d+-of-\d+\.safetensors \(holding .*\) not found"),
     "truncated_shard": (truncated_shard, r"model-\d+-of-\d+\.safetensors: cannot read safetensors shard: .*incomplete"),
@@ -366,6 +390,15 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
     "too_many_glob_patterns": (too_many_glob_patterns, r"practice\.yaml: spec\.process\[2\]\.include: 600 glob "
                                r"patterns, above the limit of 512"),
+    "overflowing_norm": (overflowing_norm, r"unit layers\.0: calibration activations became NaN/Inf in module "
+                         r"\S+ \(record \d+ of this rank\); likely cause"),
+    "overflowing_norm_with_min_max_weights": (overflowing_norm_with_min_max_weights,
+                                              r"unit layers\.0: calibration activations became NaN/Inf in module "
+                                              r"\S+ \(record \d+ of this rank\)"),
+    "norm_epsilon_out_of_range": (norm_epsilon_out_of_range, r"config\.json: text_config\.rms_norm_eps must be a "
+                                  r"number in \(0, 1\)"),
+    "expert_count_spelled_for_another_class": (expert_count_spelled_for_another_class,
+                                               r"config\.json: KimiLinearConfig reads num_experts and finds None"),
     "control_characters_in_tag": (control_characters_in_tag, r"--tag Atlas_A2\\x1b\[2J\\n12:00:00 INFO forged"),
 }
 # Found by the checker (opening the checkpoint and its header walk) before any tensor is read: test_checker.py.

@@ -45,6 +45,7 @@ class HFModelAdapter(ModelAdapter):
         self._undo = contextlib.ExitStack()
         self._tokenizer: Any = None
         try:
+            self.check_built_config()
             self.patched = self._undo.enter_context(self.patches(self.model))
             self.layout = self.make_layout(self.model)
             self.checkpoint.check(self.layout)
@@ -56,6 +57,10 @@ class HFModelAdapter(ModelAdapter):
     def make_layout(self, model: nn.Module) -> Any:
         """The family's layout of `model` (after `patches` are in: an EP patch changes the experts' modules)."""
         raise NotImplementedError
+
+    def check_built_config(self) -> None:
+        """Refuse (UserError naming config.json) values the config class built from it that the family's code
+        cannot use, e.g. a field spelled in a way the class does not read."""
 
     def patches(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """The run-time patches of the model's own classes, as one context (none by default)."""

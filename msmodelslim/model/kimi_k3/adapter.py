@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.errors import UserError
+from msmodelslim.errors import UserError, shown
 from msmodelslim.formats.ascendv1 import quantize_summary
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.base import Unit
@@ -41,6 +41,9 @@ REQUIRED_TEXT_FIELDS = (
 REQUIRED_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size")
 REQUIRED_VISION_FIELDS = ("patch_size", "vt_hidden_size", "vt_num_attention_heads", "vt_intermediate_size",
                           "vt_num_hidden_layers", "qkv_hidden_size")
+# What our code reads from the config object the model's class builds, with the config.json spellings the check
+# above accepts: a class may read only one of them and leave the attribute None.
+BUILT_TEXT_FIELDS = {"num_experts": REQUIRED_TEXT_FIELDS[6], "num_experts_per_token": REQUIRED_TEXT_FIELDS[7]}
 # --model_type display name -> whether its checkpoints carry a vision tower
 MULTIMODAL_MODEL_TYPES = {"Kimi-K3": True, "Kimi-Linear": False}
 
@@ -67,6 +70,13 @@ class KimiK3ModelAdapter(HFModelAdapter):
             if names[0] != "linear_attn_config" and (isinstance(value, bool) or not isinstance(value, int)
                                                      or value <= 0):
                 raise UserError(f"{config_file}: {where}{present[0]} must be a positive integer, got {value!r}")
+        for section, part in (("", config), ("text_config.", text if text is not config else None),
+                              ("vision_config.", config.get("vision_config"))):
+            for key, value in (part or {}).items():
+                if key.endswith(("_eps", "_epsilon")) or key in ("eps", "epsilon"):
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                        raise UserError(f"{config_file}: {section}{key} must be a number in (0, 1) (a norm's "
+                                        f"epsilon), got {shown(value)}")
         lac = text["linear_attn_config"]
         if not isinstance(lac, dict):
             raise UserError(f"{config_file}: {where}linear_attn_config must be an object, got {lac!r}")
@@ -84,6 +94,17 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self._processor: Any = None
         self._fa3_attentions: list[str] | None = None
         super().__init__(model_path, trust_remote_code, dist, dtype)
+
+    def check_built_config(self) -> None:
+        config_file = Path(self.model_path) / "config.json"
+        for attr, spellings in BUILT_TEXT_FIELDS.items():
+            value = getattr(self.text_config, attr, None)
+            if attr == "num_experts_per_token" and value is None:
+                value = getattr(self.text_config, "num_experts_per_tok", None)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UserError(f"{config_file}: {type(self.text_config).__name__} reads {attr} and finds "
+                                f"{shown(value)}; of the spellings {', '.join(spellings)}, give the one this model's "
+                                f"config class reads")
 
     def make_layout(self, model: nn.Module) -> KimiLayout:
         return KimiLayout(model, self.expert_range(int(self.text_config.num_experts)), dtype=self.dtype)
