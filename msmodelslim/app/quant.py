@@ -36,7 +36,7 @@ from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import Terminated, UserError
-from msmodelslim.formats.checkpoint import source_identity
+from msmodelslim.formats.checkpoint import different_source, source_identity
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint
@@ -155,9 +155,9 @@ def _check_fallback_reports(chosen: ChosenPractice, model_path: Path) -> None:
         if fallback.report_source is None:
             continue
         source = source or source_identity(model_path)
-        if fallback.report_source != source:
+        if different_source(fallback.report_source, source) is not None:
             raise UserError(f"{chosen.path}: spec.fallback[{i}].report {fallback.report} is the quant report of "
-                            f"another checkpoint (its config / index hashes differ from {model_path}'s)")
+                            f"another checkpoint (its config / index / tensor hashes differ from {model_path}'s)")
 
 
 def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
@@ -468,6 +468,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
         try:
             with contextlib.ExitStack() as held:
                 work_dir, after, error, token = None, None, None, uuid.uuid4().hex
+                source = source_identity(plan.model_path) if place.is_main else None
                 if place.is_main:
                     try:
                         held.enter_context(_output_lock(plan.save_path))
@@ -477,13 +478,13 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                         (work_dir / _SHARED_TOKEN).write_text(token)
                     except UserError as exc:
                         error = str(exc)
-                work_dir, after, token, error = torchrun.share((work_dir, after, token, error))
+                work_dir, after, token, error, source = torchrun.share((work_dir, after, token, error, source))
                 if error:
                     raise UserError(error)
                 # rank 0 may be killed holding the lock: another rank removes it then
                 lock = () if place.is_main else (_side_name(plan.save_path, "lock"),)
                 with _on_failure(stop, work_dir, plan.device.world_size, *lock):
-                    _check_shared(plan.save_path, work_dir, token, place)
+                    _check_shared(plan, work_dir, token, source, place)
                     run_quant_service(plan, args, work_dir, after)
                     if place.is_main:
                         _finish_output(plan, args, work_dir)
@@ -491,20 +492,28 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
             torchrun.leave()
 
 
-def _check_shared(save_path: Path, work_dir: Path, token: str, place: TorchrunRank) -> None:
-    """Every rank reads rank 0's token in the temporary output, or the run stops before any compute."""
+def _check_shared(plan: _Plan, work_dir: Path, token: str, source: dict[str, str], place: TorchrunRank) -> None:
+    """Before any compute, every rank reads rank 0's token in the temporary output (one shared directory) and
+    reads the same checkpoint as rank 0 (a node-local copy of another revision would make a mixed output)."""
     try:
         seen = (work_dir / _SHARED_TOKEN).read_text() == token
     except OSError:
         seen = False
-    blind = [(rank, host) for rank, host, ok in torchrun.gather((place.rank, torchrun.host(), seen)) if not ok]
+    differs = different_source(source, source_identity(plan.model_path))
+    ranks = torchrun.gather((place.rank, torchrun.host(), seen, differs))
     if place.is_main:
         (work_dir / _SHARED_TOKEN).unlink()  # every rank has looked: gather is collective
+    blind = [(rank, host) for rank, host, ok, _ in ranks if not ok]
     if blind:
         rank, host = blind[0]
-        raise UserError(f"--save_path {save_path}: under torchrun it must be one directory that every node sees (a "
-                        f"shared file system), but rank {rank} on {host} does not see {work_dir}, written by rank 0 "
+        raise UserError(f"--save_path {plan.save_path}: under torchrun it must be one directory that every node sees "
+                        f"(a shared file system), but rank {rank} on {host} does not see {work_dir}, written by rank 0 "
                         f"({len(blind)} rank(s) blind)")
+    other = [(rank, host, key) for rank, host, _, key in ranks if key is not None]
+    if other:
+        rank, host, key = other[0]
+        raise UserError(f"--model_path {plan.model_path}: rank {rank} on {host} reads another checkpoint than rank 0 "
+                        f"(its {key} differs; {len(other)} rank(s) differ); every node needs the same files")
 
 
 def quant(args: QuantArgs) -> QuantResult:

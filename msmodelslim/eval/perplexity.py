@@ -27,7 +27,7 @@ from torch import nn
 
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
-from msmodelslim.formats.checkpoint import source_identity
+from msmodelslim.formats.checkpoint import different_source, source_identity
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.quant.attention import install_quantizers
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
@@ -193,10 +193,10 @@ def check_same_source(model_path: str | Path, reader: AscendV1Reader) -> None:
                        model_path)
         return
     actual = source_identity(model_path)
-    for key, value in recorded.items():
-        if actual.get(key) != value:
-            raise UserError(f"--quant_path {reader.out_dir} was quantized from another checkpoint than --model_path "
-                            f"{model_path} (source {key} {value} != {actual.get(key)})")
+    key = different_source(recorded, actual)
+    if key is not None:
+        raise UserError(f"--quant_path {reader.out_dir} was quantized from another checkpoint than --model_path "
+                        f"{model_path} (source {key} {recorded[key]} != {actual.get(key)})")
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

@@ -270,9 +270,17 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
+SAMPLES_PER_SHARD = 8  # evenly spaced reads of each shard's tensor bytes
+SAMPLE_BYTES = 1 << 16  # 8 x 64 KiB per shard: ~0.2 GB for Kimi-K3's 1.5 TB, a few seconds
+
+
 def source_identity(model_dir: str | os.PathLike[str]) -> dict[str, str]:
     """What identifies a checkpoint cheaply: sha256 of its config.json and of its shard index (or, for one
-    unsharded file, of its header). Written into every output, compared by `msmodelslim eval`."""
+    unsharded file, of its header), and `tensors_sha256`: of every shard's size, header and evenly spaced samples
+    of its tensor bytes, which tells another training run of the same architecture (same config and index) apart.
+    A sample, not a hash of 1.5 TB: an edit of a few tensors in place can escape it.
+    Written into every output and quant report and into the resumable state; `eval`, `--resume`, a fallback's
+    report and every torchrun rank compare it (`different_source`)."""
     import hashlib
 
     model_dir = Path(model_dir)
@@ -281,13 +289,52 @@ def source_identity(model_dir: str | os.PathLike[str]) -> dict[str, str]:
     if config.is_file():
         out["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
     index, single = model_dir / INDEX_NAME, model_dir / SINGLE_NAME
+    shards: list[Path] = []
     if index.is_file():
-        out["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+        data = index.read_bytes()
+        out["index_sha256"] = hashlib.sha256(data).hexdigest()
+        try:
+            names = json.loads(data).get("weight_map", {}).values()
+            shards = [model_dir / name for name in sorted(set(names)) if isinstance(name, str)]
+        except (ValueError, AttributeError):
+            shards = []  # the checker names a broken index; the identity is only as good as the index
     elif single.is_file():
         with open(single, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
             out["header_sha256"] = hashlib.sha256(f.read(min(length, 100 * 2**20))).hexdigest()
+        shards = [single]
+    if shards:
+        digest = hashlib.sha256()
+        for shard in shards:
+            digest.update(shard.name.encode() + b"\0" + _shard_sample(shard))
+        out["tensors_sha256"] = digest.hexdigest()
     return out
+
+
+def _shard_sample(path: Path) -> bytes:
+    """A shard's size, header and SAMPLES_PER_SHARD reads of SAMPLE_BYTES spread over its tensor bytes (b"" for a
+    shard that cannot be read: the checker reports it)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = int.from_bytes(f.read(8), "little")
+            if length > min(size, 100 * 2**20):
+                return b""
+            parts = [size.to_bytes(8, "little"), f.read(length)]
+            start, span = 8 + length, size - 8 - length
+            step = max(span // SAMPLES_PER_SHARD, SAMPLE_BYTES)
+            for offset in range(start, size, step):
+                f.seek(offset)
+                parts.append(f.read(SAMPLE_BYTES))
+            return b"".join(parts)
+    except OSError:
+        return b""
+
+
+def different_source(recorded: dict[str, str], actual: dict[str, str]) -> str | None:
+    """The first key of a recorded identity that `actual` does not match (keys an older output lacks are not
+    compared), else None."""
+    return next((key for key, value in recorded.items() if actual.get(key) != value), None)
 
 
 def _check_shards(model_dir: Path, weight_map: dict[str, str], index_path: Path) -> None:

@@ -138,6 +138,34 @@ def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_c
     assert re.search(r"copied +config\.json, configuration_kimi_k3\.py, generation_config\.json", capsys.readouterr().out)
 
 
+def test_eval_of_an_output_made_from_other_weights_of_the_same_config_and_index_is_refused(tiny_k3_checkpoint,
+                                                                                          tmp_path, capsys):
+    # the output records the source's identity; the other checkpoint differs only in one tensor's values
+    import json
+
+    from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
+    from msmodelslim.formats.checkpoint import source_identity
+
+    from .faults import other_weights
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    other_weights(model)
+    out = tmp_path / "out"
+    out.mkdir()
+    header = {"version": "1.0.0", "metadata": {"source": source_identity(tiny_k3_checkpoint)}}
+    (out / DESCRIPTION_NAME).write_text(json.dumps(header))
+    (out / "quant_model_weights.safetensors.index.json").write_text('{"weight_map": {}}')
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 200)
+    code = main(["eval", "--model_path", str(model), "--quant_path", str(out), "--dataset", str(text),
+                 "--trust_remote_code", "True"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.match(r"msmodelslim: error: --quant_path .* was quantized from another checkpoint than "
+                    r"--model_path .* \(source tensors_sha256 [0-9a-f]{64} != [0-9a-f]{64}\)", err[0]), err
+
+
 def test_eval_of_an_output_made_from_another_checkpoint_is_refused(tiny_k3_checkpoint, tmp_path, capsys):
     from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
 

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from reliability.faults import other_weights
 from reliability.test_signals import MARKER_ENV, marked_processes
 
 from msmodelslim.app.quant import QuantArgs, quant
@@ -201,6 +202,15 @@ def test_resume_refuses_another_checkpoint(tiny_k3_checkpoint, practice, state_c
     index.write_text(index.read_text() + "\n")  # the same weights, another index: another source
     line = refused([*command(model, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
     assert "belongs to another run: the checkpoint (--model_path) differs" in line
+
+
+def test_resume_refuses_a_checkpoint_with_other_weights_but_the_same_config_and_index(tiny_k3_checkpoint, practice,
+                                                                                      state_copy, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    other_weights(model)
+    line = refused([*command(model, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
+    assert "belongs to another run: the checkpoint (--model_path) differs" in line and "tensors_sha256" in line
 
 
 def test_resume_refuses_a_truncated_state_file(tiny_k3_checkpoint, practice, state_copy, capsys):

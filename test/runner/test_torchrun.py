@@ -9,6 +9,7 @@ subprocesses (`python -m torch.distributed.run`), the shipped W4A8 practice shru
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from reliability.faults import other_weights
 
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core.device import parse_device
@@ -117,6 +119,23 @@ def test_a_save_path_one_node_does_not_see_stops_every_rank_before_any_compute(t
         assert "must be one directory that every node sees" in errors[0] and "rank 1 on" in errors[0]
         assert "holds experts" not in log  # stopped before loading a weight
     assert os.listdir(shared) == []
+
+
+def test_a_node_with_other_weights_stops_every_rank_before_any_compute(tiny_k3_checkpoint, practice, tmp_path):
+    # node 1's copy: the same config.json and index, one tensor's values changed (another revision)
+    other = tmp_path / "node1_model"
+    shutil.copytree(tiny_k3_checkpoint, other)
+    other_weights(other)
+    node0, node1 = two_nodes(free_port())
+    procs = [torchrun(node0, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path),
+             torchrun(node1, other, str(tmp_path / "out"), practice, tmp_path)]
+    for code, log in finish(*procs):
+        errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
+        assert code != 0 and len(errors) == 1, log[-3000:]
+        assert "rank 1 on" in errors[0] and "reads another checkpoint than rank 0 (its tensors_sha256 differs" \
+            in errors[0], errors[0]
+        assert "holds experts" not in log  # stopped before loading a weight
+    assert sorted(os.listdir(tmp_path)) == ["node1_model"]
 
 
 def marked(marker: str) -> dict[int, int]:
