@@ -336,10 +336,13 @@ class _Stop:
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[_Stop]:
     """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed or kept as resumable state), then
-    exits 143; both signals are remembered (`_Stop`)."""
+    exits 143; both signals are remembered (`_Stop`). Only the first one unwinds: a second, a few milliseconds later
+    (a supervisor, an impatient Ctrl-C), would interrupt the cleanup the first one started."""
     stop = _Stop()
 
     def handler(signum: int, frame: object) -> None:
+        if stop.signum is not None:
+            return  # the run is already unwinding: a second signal must not cut its cleanup short
         stop.signum = signum
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
@@ -371,7 +374,7 @@ def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], in
         after = state.resume_point(world)
         if after is None:
             raise UserError(f"--resume: {work_dir} holds no unit that every rank finished; start over with --fresh")
-        state.check_readable(after, world)
+        state.verify(after, world)
         return work_dir, expected, after
     if not args.fresh and work_dir.exists() and state.recorded_fingerprint() is not None and state.has_units():
         raise UserError(f"--save_path {plan.save_path}: an interrupted run left resumable state in {work_dir}; "
@@ -387,9 +390,12 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
         logger.info("--resume: continuing the run in %s after unit %d", work_dir, after)
         return work_dir, after
     try:
+        discarded = _side_name(plan.save_path, "discarded")
+        _remove_output(discarded)  # what an earlier discard left when it was cut short
         if work_dir.exists():  # --fresh, or left by a run that finished no unit: nothing to resume
             logger.info("discarding %s", work_dir)
-            shutil.rmtree(work_dir)
+            os.replace(work_dir, discarded)  # at once: no state that looks resumable but lacks its shards
+            _remove_output(discarded)
         work_dir.mkdir()
         ResumeState(work_dir).start(expected)
     except OSError as exc:
@@ -430,7 +436,7 @@ def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
         raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
     _check_label_kept(work_dir, plan.chosen)
     (work_dir / practice_file_name(args.model_type)).write_bytes(practice_bytes(plan))
-    shutil.rmtree(ResumeState(work_dir).root)  # the run is complete: its resumable state goes before publishing
+    ResumeState(work_dir).invalidate()  # the runner dropped it before the merge; a report-only run has none
     _publish(work_dir, plan.save_path)
 
 

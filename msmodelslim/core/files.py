@@ -1,8 +1,10 @@
-"""Reading the small files a user hands us (practices, names files, reports, config.json) with limits: only
-regular files, and only up to a size, so that a FIFO, `/dev/zero` or a runaway file fails at once with one line."""
+"""Files: the small ones a user hands us (practices, names files, reports) read with limits: only
+regular files, and only up to a size, so that a FIFO, `/dev/zero` or a runaway file fails at once with one line;
+and the checksum of the files a run writes (its resumable state checks them)."""
 
 from __future__ import annotations
 
+import hashlib
 import stat
 from pathlib import Path
 
@@ -37,3 +39,12 @@ def read_small_text(path: Path, what: str, limit: int = MAX_SMALL_FILE_BYTES) ->
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"cannot read {what} file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 16 MiB blocks (hashlib releases the GIL: several files hash in parallel)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()

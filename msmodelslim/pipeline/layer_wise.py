@@ -114,7 +114,8 @@ class LayerWiseRunner:
         }
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
-        self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot)
+        shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
+        self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
         self.stats.add("resume_state", time.perf_counter() - t0)
 
     def _wait_for_state(self) -> None:
@@ -230,6 +231,8 @@ class LayerWiseRunner:
             self.report.finish_rank()
         self.dist.barrier()  # every rank's part is on disk
         if self.dist.is_main:
+            if self.resume is not None:
+                self.resume.invalidate()  # the merge renames the shards the state counts: it can resume no more
             for saver in self.savers:
                 saver.merge(metadata, extras)
             if self.report is not None:

@@ -11,11 +11,16 @@ process runs it), under `resume/`:
   renamed, the folder fsynced: a file with its final name is complete. Written in the background while the next
   unit computes (pipeline/layer_wise.py). Each rank keeps its last three (ranks finish a unit in lock-step, so the
   slowest rank is at most one unit behind the fastest, and its write at most one more);
+- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file and of every shard the
+  rank's savers had written by then. `--resume` checks them all before any compute (a damaged file that is still a
+  valid archive, a truncated shard) and refuses with one line;
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
 A resumed run restores every rank at the last unit all of them finished, drops what a rank wrote after it, and
-runs the remaining units; its output is byte-identical to an uninterrupted run's.
+runs the remaining units; its output is byte-identical to an uninterrupted run's. Before the savers merge their
+shards into the output's names the state is dropped (`invalidate`: one rename), so a stop after that point never
+leaves state that claims to be resumable.
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import hashlib
 import json
 import os
 import re
-import zipfile
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from msmodelslim.core.files import file_sha256
 from msmodelslim.errors import UserError
 
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
 _UNIT_FILE = re.compile(r"^unit(\d{5})\.pt$")
+_DROPPED = "resume.dropped"  # the state's folder renamed away, then deleted
 KEEP = 3  # unit files per rank
 
 
@@ -89,7 +97,11 @@ class ResumeState:
             raise UserError(f"{path}: the resumable state's fingerprint is unreadable; discard the state with "
                             f"--fresh") from None
 
+    def _unit_path(self, rank: int, unit: int, suffix: str = ".pt") -> Path:
+        return self.root / f"rank{rank}" / f"unit{unit:05d}{suffix}"
+
     def finished(self, rank: int) -> list[int]:
+        """The units whose file this rank holds (its manifest is written before it gets its name)."""
         folder = self.root / f"rank{rank}"
         if not folder.is_dir():
             return []
@@ -105,31 +117,68 @@ class ResumeState:
         """Some rank kept some unit (whatever the rank count)."""
         return self.root.is_dir() and any(_UNIT_FILE.match(p.name) for p in self.root.glob("rank*/*"))
 
-    def save(self, rank: int, unit: int, state: dict[str, Any]) -> None:
+    def save(self, rank: int, unit: int, state: dict[str, Any], shards: dict[str, str]) -> None:
+        """Keep `state` after `unit`; `shards`: the files (relative to the work dir) the rank's savers have written
+        so far, with their sha256."""
         folder = self.root / f"rank{rank}"
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / f"unit{unit:05d}.pt", lambda p: torch.save(state, p))
+        path = self._unit_path(rank, unit)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        manifest = {"sha256": file_sha256(tmp), "shards": shards}
+        write_atomic(self._unit_path(rank, unit, ".json"), lambda p: p.write_text(json.dumps(manifest)))
+        os.replace(tmp, path)
+        _fsync_dir(folder)
         for old in self.finished(rank)[:-KEEP]:
-            (folder / f"unit{old:05d}.pt").unlink(missing_ok=True)
+            self._unit_path(rank, old).unlink(missing_ok=True)
+            self._unit_path(rank, old, ".json").unlink(missing_ok=True)
 
-    def check_readable(self, unit: int, world_size: int) -> None:
-        """Every rank's file of `unit` opens (torch.save writes a zip whose directory is at its end, so a truncated
-        file fails here without reading it all); a damaged one refuses the resume with one line."""
+    def verify(self, unit: int, world_size: int) -> None:
+        """Every rank's file of `unit` and every shard it counts have the bytes recorded when the unit was kept;
+        anything else refuses the resume with one line naming the file."""
+        checks: list[tuple[Path, str]] = []
         for rank in range(world_size):
-            path = self.root / f"rank{rank}" / f"unit{unit:05d}.pt"
+            manifest_path = self._unit_path(rank, unit, ".json")
             try:
-                with zipfile.ZipFile(path) as archive:
-                    archive.namelist()
-            except (OSError, zipfile.BadZipFile) as exc:
-                raise UserError(f"{path}: the resumable state is damaged ({exc}); discard it with --fresh") from None
+                manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+                checks.append((self._unit_path(rank, unit), manifest["sha256"]))
+                checks += [(self.work_dir / name, digest) for name, digest in sorted(manifest["shards"].items())]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UserError(f"{manifest_path}: the resumable state is damaged (its checksums are unreadable: "
+                                f"{exc.__class__.__name__}); discard it with --fresh") from None
+
+        def damaged(check: tuple[Path, str]) -> str | None:
+            path, digest = check
+            try:
+                actual = file_sha256(path)
+            except OSError as exc:
+                return f"{path}: {exc.strerror or exc}"
+            return None if actual == digest else f"{path}: its sha256 differs from the one recorded with the unit"
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            problems = [p for p in pool.map(damaged, checks) if p is not None]
+        if problems:
+            raise UserError(f"the resumable state is damaged ({problems[0]}; {len(problems)} file(s)); discard it "
+                            f"with --fresh")
 
     def load(self, rank: int, unit: int) -> dict[str, Any]:
-        path = self.root / f"rank{rank}" / f"unit{unit:05d}.pt"
+        path = self._unit_path(rank, unit)
         try:
             return torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # a truncated or damaged file: any unpickling error
             raise UserError(f"{path}: the resumable state is damaged ({' '.join(str(exc).split())[:120]}); "
                             f"discard it with --fresh") from None
+
+    def invalidate(self) -> None:
+        """Drop the state at once (one rename), then delete it: from here on the run cannot be resumed."""
+        dropped = self.work_dir / _DROPPED
+        shutil.rmtree(dropped, ignore_errors=True)  # left by a drop that a crash cut short
+        if self.root.exists():
+            os.replace(self.root, dropped)
+            _fsync_dir(self.work_dir)
+            shutil.rmtree(dropped, ignore_errors=True)
 
 
 def check_fingerprint(recorded: dict[str, Any] | None, expected: dict[str, Any], where: Path) -> None:

@@ -152,3 +152,27 @@ def test_rendezvous_that_cannot_happen_fails_with_one_line(tiny_k3_checkpoint, w
     assert f"no rendezvous at 127.0.0.1:{port} (from MASTER_ADDR/MASTER_PORT) within 5 s" in errors[0]
     assert time.monotonic() - start < 90
     run.assert_nothing_left()
+
+
+def test_a_second_signal_during_cleanup_on_a_slow_file_system_does_not_cut_it_short(tmp_path, monkeypatch):
+    # The cleanup's first step (is the state resumable?) is slowed to 0.5 s, a stand-in for a slow shared file
+    # system, and a second SIGTERM arrives in the middle of it. Reference: the temporary output is gone and the run
+    # ends with the first signal's Terminated.
+    from msmodelslim.app import quant as quant_mod
+    from msmodelslim.errors import Terminated
+
+    work_dir = tmp_path / ".out.partial"
+    (work_dir / "resume").mkdir(parents=True)
+    (work_dir / "half-written.safetensors").write_bytes(b"0" * 1000)
+    slow = quant_mod.ResumeState.resume_point
+
+    def slow_resume_point(self, world):
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        time.sleep(0.5)
+        return slow(self, world)
+
+    monkeypatch.setattr(quant_mod.ResumeState, "resume_point", slow_resume_point)
+    with pytest.raises(Terminated), quant_mod.sigterm_raises() as stop, quant_mod._on_failure(stop, work_dir, 1):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert os.listdir(tmp_path) == []

@@ -138,6 +138,25 @@ def test_a_failure_after_the_last_unit_resumes_to_the_uninterrupted_output(tiny_
     assert_same_files(reference("cpu"), save)
 
 
+def test_a_failure_after_the_merge_leaves_no_state_that_claims_to_be_resumable(tiny_k3_checkpoint, practice,
+                                                                             tmp_path, monkeypatch, capsys):
+    # the merge renames the shards the state counts: from there on nothing can be resumed, and nothing stays
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, "cpu", practice)
+    merge = AscendV1Saver.merge
+
+    def merged_then_broken(self, metadata, extras=None):
+        merge(self, metadata, extras)
+        raise RuntimeError("disk gone after the merge")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AscendV1Saver, "merge", merged_then_broken)
+        with pytest.raises(RuntimeError, match="after the merge"):
+            main(args)
+    assert os.listdir(tmp_path) == []
+    assert "can be resumed" not in capsys.readouterr().err
+
+
 def test_kimi_linear_mini_resumes_on_two_ranks(mini_runs, tmp_path):
     save = tmp_path / "work" / "out"
     save.parent.mkdir()
@@ -183,6 +202,30 @@ def test_fresh_discards_the_state_and_starts_over(tiny_k3_checkpoint, practice, 
     assert_same_files(reference("cpu:0,1"), state_copy / "out")
 
 
+def test_a_fresh_discard_cut_short_leaves_no_state_that_looks_resumable(tiny_k3_checkpoint, practice, reference,
+                                                                        state_copy, monkeypatch, capsys):
+    # the process dies after --fresh renamed the old state away, before deleting it; the next run cleans up
+    from msmodelslim.app import quant as quant_mod
+
+    real, calls = quant_mod._remove_output, []
+
+    def dies_while_deleting(work_dir, *files):
+        calls.append(work_dir)
+        if work_dir is not None and work_dir.name.endswith(".discarded") and work_dir.exists():
+            raise KeyboardInterrupt  # killed in the middle of the delete
+        real(work_dir, *files)
+
+    args = command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice)
+    with monkeypatch.context() as patch:
+        patch.setattr(quant_mod, "_remove_output", dies_while_deleting)
+        assert main([*args, "--fresh"]) == 130
+    assert not ResumeState(state_copy / ".out.partial").has_units()
+    assert "no interrupted run of --save_path" in refused([*args, "--resume"], capsys)
+    assert main(args) == 0
+    assert_same_files(reference("cpu:0,1"), state_copy / "out")
+    assert os.listdir(state_copy) == ["out"]
+
+
 def test_resume_refuses_another_rank_count(tiny_k3_checkpoint, practice, state_copy, capsys):
     line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu", practice), "--resume"], capsys)
     assert "belongs to another run: the rank count differs (state 2, now 1)" in line
@@ -221,6 +264,26 @@ def test_resume_refuses_a_truncated_state_file(tiny_k3_checkpoint, practice, sta
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
     assert "the resumable state is damaged" in line and "--fresh" in line
+
+
+def test_resume_refuses_a_damaged_state_file_that_is_still_a_valid_archive(tiny_k3_checkpoint, practice,
+                                                                           state_copy, capsys):
+    # one byte of a stored tensor flipped: the archive opens and unpickles, only its checksum tells
+    state = ResumeState(state_copy / ".out.partial")
+    path = state.root / "rank1" / f"unit{state.resume_point(2):05d}.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
+    assert f"the resumable state is damaged ({path}: its sha256 differs" in line and "--fresh" in line
+
+
+def test_resume_refuses_a_truncated_shard_of_the_state(tiny_k3_checkpoint, practice, state_copy, capsys):
+    shards = sorted((state_copy / ".out.partial").glob(".rank*-part*.safetensors"))
+    assert shards
+    shards[0].write_bytes(shards[0].read_bytes()[:-100])
+    line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
+    assert f"the resumable state is damaged ({shards[0]}: its sha256 differs" in line
 
 
 def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, capsys):

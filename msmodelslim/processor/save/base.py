@@ -59,6 +59,11 @@ class Saver(ABC):
     def restore_state(self, state: dict[str, Any]) -> None:
         """Continue from `resume_state()`'s value, dropping anything this rank wrote after it."""
 
+    def written_files(self) -> dict[str, str]:
+        """The files this rank has written so far (relative to the work dir) -> their sha256: the resumable state
+        records them with every unit and `--resume` checks them."""
+        return {}
+
     @abstractmethod
     def merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
         """Rank 0, once every rank has finished: merge the parts into the final index/description."""
