@@ -11,6 +11,11 @@ class UserError(ValueError):
     """Bad input from the user; the message names the offending file, key or value."""
 
 
+class ResumableError(UserError):
+    """Bad input from the environment that the user fixes outside the run (a full disk): one line and exit status 2
+    like any UserError, but the run's resumable state is kept, and `--resume` continues once it is fixed."""
+
+
 class Terminated(BaseException):
     """SIGTERM received: unwinds like KeyboardInterrupt (cleanup runs), and the CLI exits 143."""
 

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 
 from tqdm import tqdm
@@ -20,6 +21,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_LEVEL_ENV = "MSMODELSLIM_LOG_LEVEL"
 # C0 and C1 controls and DEL: a tag or a file name holding them could move the cursor, clear the screen or, with a
 # newline, forge a log line of its own
+_FLA_CPU_WARNING = "Triton is not supported on current platform"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -57,8 +59,18 @@ def configure_logging(level: str | None = None, rank: int | None = None) -> str:
         raise UserError(f"{source}={name!r}: expected one of {', '.join(LOG_LEVELS)}")
     os.environ[LOG_LEVEL_ENV] = name
     prefix = f"[rank {rank}] " if rank is not None else ""
-    # fla says this at import on every host without a Triton GPU; our kernels are pure PyTorch there anyway
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+    # fla says this at import on every host without a Triton GPU; our kernels are pure PyTorch there anyway. Also
+    # for the processes we start (the forkserver imports fla before any of our code runs in it).
+    warnings.filterwarnings("ignore", message=_FLA_CPU_WARNING, category=UserWarning)
+    quiet = f"ignore:{_FLA_CPU_WARNING}:UserWarning"
+    if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+    # torch.multiprocessing logs "Terminating process ... via signal SIGTERM" when one rank fails: the launcher
+    # stops the others itself and says which rank failed and why
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # tqdm's default lock is a multiprocessing semaphore per process: a rank killed while holding one leaves it to
+    # the resource tracker's "leaked semaphore" warning. Bars are drawn by one process (rank 0): a thread lock does.
+    tqdm.set_lock(threading.RLock())
     handler = _TqdmHandler(sys.stderr)
     handler.setFormatter(_Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(level=getattr(logging, name.upper()), force=True, handlers=[handler])

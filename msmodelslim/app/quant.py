@@ -34,8 +34,9 @@ from msmodelslim.core import torchrun
 from msmodelslim.core.calib import CalibRecord, load_calib_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
+from msmodelslim.core.files import disk_full_error
 from msmodelslim.core.torchrun import TorchrunRank
-from msmodelslim.errors import Terminated, UserError
+from msmodelslim.errors import ResumableError, Terminated, UserError
 from msmodelslim.formats.checkpoint import different_source, source_identity
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
@@ -160,8 +161,23 @@ def _check_fallback_reports(chosen: ChosenPractice, model_path: Path) -> None:
                             f"another checkpoint (its config / index / tensor hashes differ from {model_path}'s)")
 
 
+def check_utf8_paths(**paths: str | None) -> None:
+    """Paths whose names are not UTF-8 (a shell's $'\\xff') cannot be logged, printed or written into an output's
+    metadata faithfully: refused up front, by flag."""
+    for flag, value in paths.items():
+        if value is None:
+            continue
+        try:
+            str(value).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"--{flag} {os.fsencode(value)!r}: the name is not valid UTF-8; choose a UTF-8 "
+                            "name") from None
+
+
 def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     """Every check that needs no model weights, in the order a user would fix them."""
+    check_utf8_paths(model_path=args.model_path, save_path=args.save_path, config_path=args.config_path,
+                     calibration_dataset=args.calibration_dataset)
     model_path = Path(args.model_path).expanduser().resolve()
     save_path = Path(args.save_path).expanduser().absolute()
     save_path = save_path.parent.resolve() / save_path.name
@@ -232,9 +248,15 @@ def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after
 def _publish(work_dir: Path, save_path: Path) -> None:
     for path in [work_dir, *work_dir.rglob("*")]:  # one mode for every file, whatever wrote it
         os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
-    if save_path.is_dir():
-        save_path.rmdir()  # empty (checked earlier); rename cannot replace a directory on every platform
-    os.rename(work_dir, save_path)
+    try:
+        if save_path.is_dir():
+            save_path.rmdir()  # empty (checked earlier); rename cannot replace a directory on every platform
+        os.rename(work_dir, save_path)
+    except OSError as exc:  # something else wrote --save_path while the run was computing
+        kept = save_path.with_name(f"{save_path.name}.msmodelslim-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(work_dir, kept)
+        raise UserError(f"--save_path {save_path}: another process wrote it during the run ({exc.strerror}); the "
+                        f"finished output is in {kept}") from None
 
 
 def practice_bytes(plan: _Plan) -> bytes:
@@ -412,6 +434,8 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterat
         yield
     except BaseException as exc:
         error = stop.replace(exc)
+        if isinstance(error, Exception) and not isinstance(error, UserError):
+            error = disk_full_error(work_dir, error) or error  # the publish's own writes
         _failed(work_dir, world, error, *files)
         if error is exc:
             raise
@@ -422,7 +446,8 @@ def _failed(work_dir: Path, world: int, error: BaseException, *files: Path) -> N
     """After a failure: keep resumable state (and say how to use it), else remove the temporary output. A bad input
     found mid-run (a NaN in a layer, say) discards it too: the run cannot go on with that input, and fixing it makes
     another run."""
-    if not isinstance(error, UserError) and ResumeState(work_dir).resume_point(world) is not None:
+    keep = isinstance(error, ResumableError) or not isinstance(error, UserError)
+    if keep and ResumeState(work_dir).resume_point(world) is not None:
         logger.warning("the run can be resumed: the same command with --resume continues after the last unit every "
                        "rank finished; --fresh starts over (the state is in %s)", work_dir)
         _remove_output(None, *files)

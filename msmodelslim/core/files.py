@@ -5,10 +5,11 @@ and the checksum of the files a run writes (its resumable state checks them)."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import stat
 from pathlib import Path
 
-from msmodelslim.errors import UserError
+from msmodelslim.errors import ResumableError, UserError
 
 MAX_SMALL_FILE_BYTES = 1 << 20  # a practice is a few KiB; a names file of a 2.8T model's linears is well under this
 
@@ -48,3 +49,21 @@ def file_sha256(path: Path) -> str:
         while block := f.read(16 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+DISK_FULL_BYTES = 64 << 20  # less than this free after a failed write: the disk is the cause
+
+
+def disk_full_error(folder: Path, error: BaseException) -> ResumableError | None:
+    """The one-line error for `error` when the file system of `folder` is (nearly) full: libraries report a full
+    disk in their own words (safetensors' IoError, torch's "file write failed", OSError ENOSPC), so the free space
+    decides. None when there is room (or the folder is gone)."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= DISK_FULL_BYTES:
+        return None
+    return ResumableError(f"the file system of {folder} is full ({free / 2**20:.0f} MiB free) after "
+                          f"{type(error).__name__}: {' '.join(str(error).split())[:160]}; free space and continue "
+                          "with --resume")

@@ -32,7 +32,8 @@ from msmodelslim.core import ascend_check
 from msmodelslim.core.calib import load_calib_records
 from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
 from msmodelslim.core.dist import DistContext
-from msmodelslim.errors import RankLost, UserError
+from msmodelslim.core.files import disk_full_error
+from msmodelslim.errors import RankLost, ResumableError, UserError
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
@@ -217,14 +218,18 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             Path(f"{os.environ[STATS_ENV]}.rank{rank}").write_text(json.dumps(result))
         return result
     except Exception as exc:
-        user = isinstance(exc, UserError)
+        full = None if isinstance(exc, UserError) else disk_full_error(request.work_dir, exc)
+        user = full is not None or isinstance(exc, UserError)
         if not user and not isinstance(exc, RankLost):  # those are one line (the CLI's); anything else is a bug
             # or an environment failure and keeps its traceback
             logger.exception("rank %d of %d failed", rank, world)
         if failures:
             with contextlib.suppress(OSError):  # the folder is gone when the main process died first
-                Path(failures, f"rank{rank}").write_text(json.dumps({"time": time.time(), "error": f"{exc}",
-                                                                     "user": user}))
+                Path(failures, f"rank{rank}").write_text(json.dumps({
+                    "time": time.time(), "error": f"{full or exc}", "user": user,
+                    "resumable": isinstance(full or exc, ResumableError)}))
+        if full is not None:
+            raise full from None
         raise
     finally:
         if adapter is not None:
@@ -272,16 +277,24 @@ def run_service(request: QuantRequest) -> None:
         try:
             while not context.join(timeout=0.5):
                 pass
+        except mp.ProcessExitedException as exc:  # killed (the OOM killer's SIGKILL) or exited without a word
+            how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with status {exc.exit_code}"
+            hint = " (the kernel's out-of-memory killer sends SIGKILL: `dmesg` says)" \
+                if exc.signal_name == "SIGKILL" else ""
+            raise RankLost(f"rank {exc.error_index} {how}{hint}") from None
         except mp.ProcessRaisedException as exc:
             first = _first_failure(Path(failures))
             if first is not None and first[2]:
-                raise UserError(f"rank {first[0]}: {first[1]}") from None
+                error = ResumableError if first[3] else UserError
+                raise error(f"rank {first[0]}: {first[1]}") from None
             if first is not None and first[0] != exc.error_index:
                 # the rank torch reports may only have lost its peer (a collective reset by the failing rank)
                 raise RuntimeError(f"rank {first[0]} failed first: {first[1]}") from exc
             raise
         finally:
             _stop_ranks(context.processes)
+            for error_file in context.error_files:  # torch leaves them in $TMPDIR (one per rank that failed)
+                Path(error_file).unlink(missing_ok=True)
 
 
 def _stop_ranks(processes: list[Any]) -> None:
@@ -297,13 +310,13 @@ def _stop_ranks(processes: list[Any]) -> None:
             p.join()
 
 
-def _first_failure(folder: Path) -> tuple[int, str, bool] | None:
-    """(rank, message, is a bad input) of the rank that failed first."""
+def _first_failure(folder: Path) -> tuple[int, str, bool, bool] | None:
+    """(rank, message, is a bad input, keeps the resumable state) of the rank that failed first."""
     notes = [(json.loads(p.read_text()), int(p.name[len("rank"):])) for p in folder.glob("rank*")]
     if not notes:
         return None
     note, rank = min(notes, key=lambda n: n[0]["time"])
-    return rank, note["error"], bool(note.get("user"))
+    return rank, note["error"], bool(note.get("user")), bool(note.get("resumable"))
 
 
 def _start_method(device_type: str) -> str:

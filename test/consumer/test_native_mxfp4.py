@@ -56,4 +56,6 @@ def test_experts_a_rotation_changed_are_quantized_again_and_the_log_says_so(tiny
     reader = AscendV1Reader(tmp_path / "out")
     name = next(n for n in reader.quantized_linears() if ".experts.0.w1" in n)
     assert reader.quant_type(name) == "W4A16_MXFP4"
-    assert not torch.equal(reader.get_stored(f"{name}.weight"), _source(tiny_k3_checkpoint, f"{name}.weight_packed"))
+    stored, source = reader.get_stored(f"{name}.weight"), _source(tiny_k3_checkpoint, f"{name}.weight_packed")
+    assert stored.shape == source.shape and stored.dtype == source.dtype  # else "not equal" could not fail
+    assert not torch.equal(stored, source)

@@ -82,7 +82,9 @@ def test_compressed_tensors_0_13_checkpoint_decodes_like_0_20(tmp_path):
     write_checkpoint(tmp_path / "v013", version="0.13.0", exponent_shift=2)
     new, old = open_checkpoint(tmp_path / "v020"), open_checkpoint(tmp_path / "v013")
     some = "model.layers.0.block_sparse_moe.experts.0.w1"
-    assert not torch.equal(new.get_stored(some + ".weight_scale"), old.get_stored(some + ".weight_scale"))
+    new_scale, old_scale = new.get_stored(some + ".weight_scale"), old.get_stored(some + ".weight_scale")
+    assert new_scale.shape == old_scale.shape  # else "not equal" could not fail
+    assert not torch.equal(new_scale, old_scale)
     for name in new.keys():
         assert same_bits(old.get(name, "cpu"), new.get(name, "cpu")), name
 

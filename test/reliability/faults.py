@@ -329,6 +329,10 @@ def control_characters_in_tag(model: Path, ws: Path) -> list[str]:
     return ["--tag", "Atlas_A2\x1b[2J\n12:00:00 INFO forged line"]
 
 
+def save_path_not_utf8(model: Path, ws: Path) -> list[str]:
+    return ["--save_path", f"{ws}/out\udcff"]  # what Python makes of a shell's $'out\xff'
+
+
 def overflowing_norm(model: Path, ws: Path) -> list[str]:
     # finite weights (the checkpoint check passes) whose product overflows bf16 in the first decoder layer
     name = key(model, r"layers\.0\.input_layernorm\.weight$")
@@ -405,6 +409,7 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
     "too_many_glob_patterns": (too_many_glob_patterns, r"practice\.yaml: spec\.process\[2\]\.include: 600 glob "
                                r"patterns, above the limit of 512"),
+    "save_path_not_utf8": (save_path_not_utf8, r"--save_path b'\S+/out\\xff': the name is not valid UTF-8"),
     "overflowing_norm": (overflowing_norm, r"unit layers\.0: calibration activations became NaN/Inf in module "
                          r"\S+ \(record \d+ of this rank\); likely cause"),
     "overflowing_norm_with_min_max_weights": (overflowing_norm_with_min_max_weights,

@@ -26,7 +26,9 @@ ERROR_LINE = re.compile(r"^msmodelslim: error: (.+)$")
 
 
 def failure_folders() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("msmodelslim-failures-*")}
+    """What a failed run could leave in $TMPDIR: our failure notes, torch's per-rank error files."""
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for pattern in ("msmodelslim-failures-*", "pytorch-errorfile-*") for p in tmp.glob(pattern)}
 
 
 def quant_args(model: Path, save: Path, extra: list[str]) -> list[str]:
@@ -57,6 +59,47 @@ def test_fault_is_one_error_line_exit_2_and_leaves_nothing(case, broken_copy, ca
     assert re.search(expected, errors[0]), f"{case}: {errors[0]!r} does not match {expected!r}"
     assert sorted(p.name for p in workspace.iterdir()) == before, f"{case}: left {os.listdir(workspace)}"
     assert failure_folders() == folders
+
+
+def test_a_data_fault_on_two_ranks_is_one_line_and_leaves_nothing_in_the_temp_folder(broken_copy, capfd):
+    # both ranks meet the NaN; the launcher stops them. Reference: the whole stderr of the run (the processes' too)
+    from .faults import overflowing_norm
+
+    model, workspace = broken_copy
+    overflowing_norm(model, workspace)
+    folders = failure_folders()
+    code = main(quant_args(model, workspace / "out", ["--device", "cpu:0,1"]))
+    lines = [line for line in capfd.readouterr().err.replace("\r", "\n").splitlines()
+             if line.strip() and " INFO " not in line and not line.startswith("quantizing:")]
+    assert code == 2, lines[-20:]
+    assert len(lines) == 1 and re.match(r"msmodelslim: error: rank \d: unit layers\.0: calibration activations "
+                                        r"became NaN/Inf", lines[0]), lines[-20:]
+    assert failure_folders() == folders
+    assert os.listdir(workspace) == []
+
+
+def test_a_save_path_filled_by_another_process_mid_run_gets_one_line_and_the_output_is_kept_aside(
+        tiny_k3_checkpoint, tmp_path, capsys, monkeypatch):
+    from msmodelslim.app import quant as quant_mod
+
+    save, real = tmp_path / "out", quant_mod._check_label_kept
+
+    def another_process_writes_the_save_path(work_dir, chosen):
+        save.mkdir(exist_ok=True)
+        (save / "theirs.txt").write_text("not ours")
+        real(work_dir, chosen)
+
+    monkeypatch.setattr(quant_mod, "_check_label_kept", another_process_writes_the_save_path)
+    code = main(quant_args(tiny_k3_checkpoint, save, []))
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if ERROR_LINE.match(line)]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in "\n".join(err), err[-10:]
+    kept = re.match(r"msmodelslim: error: --save_path \S+/out: another process wrote it during the run \(.*\); the "
+                    r"finished output is in (\S+)$", errors[0])
+    assert kept, errors[0]
+    assert (Path(kept.group(1)) / "quant_model_description.json").is_file()
+    assert os.listdir(save) == ["theirs.txt"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", Path(kept.group(1)).name])  # no lock, no temp folder
 
 
 def test_locked_save_path_is_refused_at_once(tiny_k3_checkpoint, tmp_path, capsys):

@@ -10,6 +10,7 @@ samples of 96 tokens (GPTQ and the searched smoothing kept).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -155,6 +156,34 @@ def test_a_failure_after_the_merge_leaves_no_state_that_claims_to_be_resumable(t
             main(args)
     assert os.listdir(tmp_path) == []
     assert "can be resumed" not in capsys.readouterr().err
+
+
+def test_a_disk_full_mid_run_is_one_line_keeps_the_state_and_resumes(tiny_k3_checkpoint, practice, reference,
+                                                                      tmp_path, monkeypatch, capsys):
+    # the saver's write of layers.2 fails the way safetensors reports a full disk, and the file system then shows
+    # no free space (a stand-in: this host's disk is not filled). Reference: one error line, exit 2, the state kept,
+    # and --resume (with space again) gives the uninterrupted output.
+    import shutil as shutil_mod
+
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, "cpu", practice)
+    real_usage, real_flush, full = shutil_mod.disk_usage, AscendV1Saver._flush, []
+
+    def flush(self):
+        if self._pending and any(".layers.2." in name for name in self._pending):
+            full.append(True)
+            raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+        real_flush(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AscendV1Saver, "_flush", flush)
+        patch.setattr(shutil_mod, "disk_usage", lambda p: real_usage(p)._replace(free=0) if full else real_usage(p))
+        line = refused(args, capsys)
+    assert re.search(r"the file system of \S+\.out\.partial is full \(0 MiB free\) after RuntimeError: Error "
+                     r"while serializing: .*StorageFull.*; free space and continue with --resume", line), line
+    assert ResumeState(tmp_path / ".out.partial").resume_point(1) is not None
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(reference("cpu"), save)
 
 
 def test_kimi_linear_mini_resumes_on_two_ranks(mini_runs, tmp_path):

@@ -173,6 +173,7 @@ def test_expert_without_tokens_is_left_untouched():
                       UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples)))
         for w, t in before.items():
             assert torch.equal(getattr(block.experts["5"], w).weight, t)
+        assert all(m.w3.weight.shape == w3s[e].shape for e, m in block.experts.items())  # else "changed" is vacuous
         smoothed = {e for e, m in block.experts.items() if not torch.equal(m.w3.weight, w3s[e])}
         assert smoothed and "5" not in smoothed  # the experts the tokens reach were smoothed
 
@@ -260,6 +261,7 @@ def test_include_exclude_match_checkpoint_names():
     with standin_cpu_kernels(pkg.modeling_kimi_k3):
         run_processor(proc, UnitContext(unit, layer, adapter, DistContext(),
                                       run_samples=lambda: logits_of(model, standin_inputs(model)[1:])))
+    assert all(p.shape == before[n].shape for n, p in layer.named_parameters())
     changed = {n for n, p in layer.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {"post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                        "mlp.down_proj.weight"}
