@@ -1,6 +1,7 @@
 """Reliability table: every fault of test/reliability/faults.py, run as a user runs it (a `msmodelslim quant`
 subprocess on a broken copy of the tiny stand-in), with its exit status, its error line, the seconds it took to
-fail and what it left behind (in the save directory's parent and as msmodelslim-failures-* in its TMPDIR).
+fail and what it left behind (in the save directory's parent, and msmodelslim-failures-* or torch's
+pytorch-errorfile-* in its TMPDIR).
 
 Targets (issue 17): every case exits 2 with one `msmodelslim: error:` line, leaves nothing, fails in < 15 s.
 
@@ -42,7 +43,7 @@ def run_case(name: str, source: Path, root: Path) -> dict:
     proc = subprocess.run(cmd + extra, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp)})
     seconds = time.perf_counter() - start
     errors = [line for line in proc.stderr.splitlines() if line.startswith("msmodelslim: error: ")]
-    left = sorted(set(os.listdir(workspace)) - before) + [p for p in os.listdir(tmp) if p.startswith("msmodelslim-")]
+    left = sorted(set(os.listdir(workspace)) - before) + [p for p in os.listdir(tmp) if p.startswith(("msmodelslim-", "pytorch-errorfile-"))]
     message = errors[0][len("msmodelslim: error: "):] if errors else proc.stderr.strip().splitlines()[-1:]
     return {"case": name, "exit": proc.returncode, "error_lines": len(errors),
             "traceback": "Traceback" in proc.stderr, "seconds": round(seconds, 2), "left": left,

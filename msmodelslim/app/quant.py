@@ -91,6 +91,7 @@ class _Plan:
     chosen: ChosenPractice
     device: DeviceSpec
     records: list[CalibRecord]
+    practice_data: bytes  # the practice file as it runs (`practice_bytes`): the fingerprint's and the output's copy
 
 
 def _read_model_config(model_path: Path) -> dict[str, Any]:
@@ -221,7 +222,7 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     _check_fallback_reports(chosen, model_path)
     adapter_cls = entry.load_adapter_class()
     adapter_cls.check_config(config, model_path / "config.json", args.model_type)
-    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records)
+    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records, practice_bytes(chosen))
 
 
 def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None,
@@ -259,13 +260,17 @@ def _publish(work_dir: Path, save_path: Path) -> None:
                         f"finished output is in {kept}") from None
 
 
-def practice_bytes(plan: _Plan) -> bytes:
-    """The practice as it ran: its file, with `--calibration_dataset` written into spec.dataset when it was given."""
-    data = plan.chosen.path.read_bytes()
-    dataset = plan.chosen.practice.spec.dataset
-    if yaml.safe_load(data)["spec"]["dataset"] == dataset:
-        return data
+def practice_bytes(chosen: ChosenPractice) -> bytes:
+    """The practice as it runs, read once before the run (the file may change or go while it computes): its bytes,
+    with `--calibration_dataset` written into spec.dataset when it was given."""
+    try:
+        data = chosen.path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{chosen.path}: cannot read the practice again ({exc.strerror})") from None
+    dataset = chosen.practice.spec.dataset
     practice = yaml.safe_load(data)
+    if practice["spec"]["dataset"] == dataset:
+        return data
     practice["spec"]["dataset"] = str(Path(dataset).expanduser().resolve())
     return ("# spec.dataset from --calibration_dataset\n" + yaml.safe_dump(practice, sort_keys=False)).encode()
 
@@ -387,7 +392,7 @@ def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], in
     work_dir = _side_name(plan.save_path, "partial")
     state = ResumeState(work_dir)
     world = plan.device.world_size
-    expected = fingerprint(source_identity(plan.model_path), practice_bytes(plan), plan.device.type, world)
+    expected = fingerprint(source_identity(plan.model_path), plan.practice_data, plan.device.type, world)
     if args.resume:
         if not work_dir.is_dir():
             raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
@@ -460,7 +465,7 @@ def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
     if not (work_dir / DESCRIPTION_FILE).is_file():
         raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
     _check_label_kept(work_dir, plan.chosen)
-    (work_dir / practice_file_name(args.model_type)).write_bytes(practice_bytes(plan))
+    (work_dir / practice_file_name(args.model_type)).write_bytes(plan.practice_data)
     ResumeState(work_dir).invalidate()  # the runner dropped it before the merge; a report-only run has none
     _publish(work_dir, plan.save_path)
 

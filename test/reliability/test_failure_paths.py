@@ -181,23 +181,15 @@ def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_c
     assert re.search(r"copied +config\.json, configuration_kimi_k3\.py, generation_config\.json", capsys.readouterr().out)
 
 
-def test_eval_of_an_output_made_from_other_weights_of_the_same_config_and_index_is_refused(tiny_k3_checkpoint,
-                                                                                          tmp_path, capsys):
-    # the output records the source's identity; the other checkpoint differs only in one tensor's values
+def eval_error_of_an_output_recording(source: dict, model: Path, tmp_path: Path, capsys) -> str:
+    """`msmodelslim eval` of `model` against an output whose description records `source`: its one error line."""
     import json
 
     from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
-    from msmodelslim.formats.checkpoint import source_identity
 
-    from .faults import other_weights
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_k3_checkpoint, model)
-    other_weights(model)
     out = tmp_path / "out"
     out.mkdir()
-    header = {"version": "1.0.0", "metadata": {"source": source_identity(tiny_k3_checkpoint)}}
-    (out / DESCRIPTION_NAME).write_text(json.dumps(header))
+    (out / DESCRIPTION_NAME).write_text(json.dumps({"version": "1.0.0", "metadata": {"source": source}}))
     (out / "quant_model_weights.safetensors.index.json").write_text('{"weight_map": {}}')
     text = tmp_path / "t.txt"
     text.write_text("hello " * 200)
@@ -205,25 +197,28 @@ def test_eval_of_an_output_made_from_other_weights_of_the_same_config_and_index_
                  "--trust_remote_code", "True"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_eval_of_an_output_made_from_other_weights_of_the_same_config_and_index_is_refused(tiny_k3_checkpoint,
+                                                                                          tmp_path, capsys):
+    # the output records the source's identity; the other checkpoint differs only in its tensors' values
+    from msmodelslim.formats.checkpoint import source_identity
+
+    from .faults import other_weights
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k3_checkpoint, model)
+    other_weights(model)
+    line = eval_error_of_an_output_recording(source_identity(tiny_k3_checkpoint), model, tmp_path, capsys)
     assert re.match(r"msmodelslim: error: --quant_path .* was quantized from another checkpoint than "
-                    r"--model_path .* \(source tensors_sha256 [0-9a-f]{64} != [0-9a-f]{64}\)", err[0]), err
+                    r"--model_path .* \(source tensors_sha256 [0-9a-f]{64} != [0-9a-f]{64}\)", line), line
 
 
 def test_eval_of_an_output_made_from_another_checkpoint_is_refused(tiny_k3_checkpoint, tmp_path, capsys):
-    from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
-
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / DESCRIPTION_NAME).write_text('{"version": "1.0.0", "metadata": {"source": {"config_sha256": "abc"}}}')
-    (out / "quant_model_weights.safetensors.index.json").write_text('{"weight_map": {}}')
-    text = tmp_path / "t.txt"
-    text.write_text("hello " * 200)
-    code = main(["eval", "--model_path", str(tiny_k3_checkpoint), "--quant_path", str(out), "--dataset", str(text),
-                 "--trust_remote_code", "True"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
+    line = eval_error_of_an_output_recording({"config_sha256": "abc"}, tiny_k3_checkpoint, tmp_path, capsys)
     assert re.match(r"msmodelslim: error: --quant_path .* was quantized from another checkpoint than "
-                    r"--model_path .* \(source config_sha256 abc != [0-9a-f]{64}\)", err[0]), err
+                    r"--model_path .* \(source config_sha256 abc != [0-9a-f]{64}\)", line), line
 
 
 def test_eval_of_a_missing_output_is_one_line(tiny_k3_checkpoint, tmp_path, capsys):

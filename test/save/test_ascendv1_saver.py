@@ -57,7 +57,8 @@ def test_layout_names_dtypes_shapes_and_description(tmp_path):
     assert desc["model_quant_type"] == "W8A8_DYNAMIC"  # a W4A8 mix, labelled as msModelSlim labels it
     assert desc["version"] == "1.0.0" and desc["group_size"] == 0
     assert desc["metadata"]["quarot"] == {"seed": 3}
-    assert set(desc["metadata"]["source"]) == {"config_sha256", "index_sha256"}  # what `msmodelslim eval` checks
+    # what `msmodelslim eval` checks
+    assert set(desc["metadata"]["source"]) == {"config_sha256", "index_sha256", "tensors_sha256"}
     tensor_types = {k: v for k, v in desc.items()
                     if k not in ("model_quant_type", "version", "group_size", "metadata", "optional")}
     assert set(tensor_types) == set(t)
