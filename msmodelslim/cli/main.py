@@ -38,6 +38,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msmodelslim", description="Post-training quantization (msModelSlim style).")
+    parser.add_argument("-V", "--version", action="version", version=f"msmodelslim {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{quant,analyze,tune,eval}")
 
     quant = sub.add_parser("quant", help="quantize a model and write the AscendV1 format",
@@ -99,19 +100,37 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="npu",
                         help="npu | npu:0,1,... | cuda | cuda:0,1,... | cpu | cpu:0,1 (default: npu); "
                              "one process per index")
+    parser.add_argument("--device_id", type=int, nargs="+", default=None, metavar="ID",
+                        help="msModelSlim's spelling of the indices: --device npu --device_id 0 1 = --device npu:0,1")
     parser.add_argument("--model_type", required=True, help="display name from config/config.ini, e.g. Kimi-K3")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--quant_type", help="w4a8, w8a8, ...: picks the best practice in lab_practice/")
-    which.add_argument("--config_path", help="a practice YAML to use instead of the lookup (or a shipped "
+    which.add_argument("--config_path", "--config", dest="config_path", help="a practice YAML to use instead of the lookup (or a shipped "
                                              "practice's name)")
     parser.add_argument("--trust_remote_code", type=_bool_literal, default=False, metavar="{True,False}",
                         help="run the model code shipped in --model_path (default: False)")
     parser.add_argument("--calibration_dataset", default=None, metavar="PATH",
                         help="calibration records instead of the practice's spec.dataset: a jsonl file, or a folder "
                              "of jsonl shards (read in name order)")
-    parser.add_argument("--tag", nargs="+", default=(), metavar="TAG",
+    parser.add_argument("--tag", "--tags", dest="tag", nargs="+", default=(), metavar="TAG",
                         help="the scenario the practice must be verified in, e.g. Ascend_950 (MX schemes); "
                              "default: Atlas A2/A3 (lab_practice's verified_tags)")
+
+
+def _version() -> str:
+    from msmodelslim import __version__
+
+    return __version__
+
+
+def device_of(ns: argparse.Namespace) -> str:
+    """`--device`, with msModelSlim's `--device_id` list folded in (`npu` + `0 1` -> `npu:0,1`)."""
+    if ns.device_id is None:
+        return ns.device
+    if ":" in ns.device:
+        raise UserError(f"--device {ns.device} --device_id {' '.join(map(str, ns.device_id))}: give the indices once "
+                        f"(--device {ns.device.split(':')[0]} --device_id ..., or --device {ns.device})")
+    return f"{ns.device}:{','.join(map(str, ns.device_id))}"
 
 
 def setup_logging(level: str | None) -> None:
@@ -131,7 +150,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
 
     setup_logging(ns.log_level)
     args = QuantArgs(
-        model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=ns.device,
+        model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=device_of(ns),
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag),
         calibration_dataset=ns.calibration_dataset, resume=ns.resume, fresh=ns.fresh,
     )
@@ -160,7 +179,7 @@ def _run_analyze(ns: argparse.Namespace) -> int:
 
     setup_logging(ns.log_level)
     result = analyze(AnalyzeArgs(
-        model_path=ns.model_path, model_type=ns.model_type, device=ns.device, quant_type=ns.quant_type,
+        model_path=ns.model_path, model_type=ns.model_type, device=device_of(ns), quant_type=ns.quant_type,
         config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), metrics=ns.metrics,
         calibration_dataset=ns.calibration_dataset,
         top_k=ns.top_k, patterns=list(ns.patterns), save_path=ns.save_path, report_path=ns.report_path))
@@ -182,7 +201,7 @@ def _run_tune(ns: argparse.Namespace) -> int:
     setup_logging(ns.log_level)
     result = tune(TuneArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, dataset=ns.dataset,
-        target_ppl_delta=ns.target_ppl_delta, device=ns.device, quant_type=ns.quant_type, config_path=ns.config_path,
+        target_ppl_delta=ns.target_ppl_delta, device=device_of(ns), quant_type=ns.quant_type, config_path=ns.config_path,
         trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), max_rounds=ns.max_rounds, step=ns.step,
         calibration_dataset=ns.calibration_dataset,
         seq_len=ns.seq_len, max_windows=ns.max_windows))

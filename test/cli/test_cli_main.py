@@ -53,7 +53,8 @@ def test_unexpected_error_keeps_traceback(tmp_path, model_dir, practice_file, st
     ("extra", "message"),
     [
         (["--quant_type", "w4a8", "--config_path", "x.yaml"], "not allowed with argument"),
-        ([], "one of the arguments --quant_type --config_path is required"),
+        ([], "one of the arguments --quant_type --config_path/--config is required"),
+        (["--quant_type", "w4a8", "--device_id", "x"], "argument --device_id: invalid int value: 'x'"),
         (["--quant_type", "w4a8", "--trust_remote_code", "true"], "expected True or False, got 'true'"),
         (["--quant_type", "w4a8", "--log_level", "loud"], "expected one of debug, info, warning, error"),
     ],
@@ -62,6 +63,32 @@ def test_bad_command_lines_exit_2(tmp_path, extra, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(quant_argv(tmp_path, tmp_path / "o", *extra))
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_msmodelslim_spellings_config_tags_and_device_id_run_like_ours(tmp_path, model_dir, practice_file,
+                                                                       stub_service, capsys):
+    argv = ["quant", "--model_path", str(model_dir), "--save_path", str(tmp_path / "out"), "--device", "cpu",
+            "--device_id", "0", "--model_type", "Kimi-K3", "--config", str(practice_file), "--tags", "t1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stub_w4a8 (w4a8, score 10)" in out and "device     cpu:0 (1 process" in out
+
+
+def test_device_id_beside_indices_in_device_is_one_line_exit_2(tmp_path, model_dir, practice_file, capsys):
+    code = cli.main(quant_argv(model_dir, tmp_path / "out", "--config", str(practice_file), "--device", "cpu:0,1",
+                               "--device_id", "2"))
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("msmodelslim: error: --device cpu:0,1 --device_id 2: give the indices once "
+                                 "(--device cpu --device_id ..., or --device cpu:0,1)\n")
+
+
+def test_version_flag_prints_the_toolkit_version(capsys):
+    from msmodelslim import __version__
+
+    for flag in ("-V", "--version"):
+        with pytest.raises(SystemExit) as info:
+            cli.main([flag])
+        assert info.value.code == 0 and capsys.readouterr().out == f"msmodelslim {__version__}\n"
 
 
 def test_trust_remote_code_literal():
