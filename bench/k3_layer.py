@@ -58,6 +58,16 @@ print(json.dumps({{"first_call_s": times[0], "warm_call_s": sum(times[1:]) / 3}}
 """
 
 
+def rank_layer_checkpoint() -> Path:
+    """The `layer` preset as one rank of EP 8 holds it (112 experts, top-2), generated once into bench_out/."""
+    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
+    if not (model / "model.safetensors.index.json").is_file():
+        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model),
+                        "--set", f"text_config.num_experts={EXPERTS_PER_RANK}",
+                        "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}"], check=True)
+    return model
+
+
 def fla_autotune(device: str, tokens: int) -> dict:
     out = subprocess.run([sys.executable, "-c", AUTOTUNE.format(device=device, tokens=tokens)], check=True,
                          capture_output=True, text=True)
@@ -161,12 +171,8 @@ def main() -> None:
                         "report's share of the layer")
     args = p.parse_args()
 
-    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
     t0 = time.perf_counter()
-    if not (model / "model.safetensors.index.json").is_file():
-        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model),
-                        "--set", f"text_config.num_experts={EXPERTS_PER_RANK}",
-                        "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}"], check=True)
+    model = rank_layer_checkpoint()
     generate_s = time.perf_counter() - t0
     if args.tokens:
         print_result({"bench": "k3_layer_scale", "machine": machine(), "device": args.device,
