@@ -234,7 +234,9 @@ class LinearQuantProcessor(Processor):
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
             linear = parent.get_submodule(child)
-            quant = QuantLinear.from_linear(linear, scheme, quantized=(q, scale))
+            # the group size said, not read off the scales: a linear as wide as one group is per group too
+            quant = QuantLinear.from_linear(linear, scheme, quantized=(q, scale),
+                                            group_size=None if live_name in native else weight_cfg.group_size)
             # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had
             method = "checkpoint" if live_name in native else weight_cfg.method  # kept MXFP4 bytes: no rounding
             quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,

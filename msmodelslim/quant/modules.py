@@ -239,7 +239,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, scheme: str | QuantScheme, qweight: torch.Tensor,
                  weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 online_rotation: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 online_rotation: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16,
+                 group_size: int | None = None) -> None:
+        """`group_size`: the per-group size the weight was quantized with, when known; without it the size is read
+        off the scale's columns, which cannot tell one group of `in_features` from per channel."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -251,9 +254,10 @@ class QuantLinear(nn.Module):
             q_dtype, s_dtype, s_cols = torch.uint8, torch.uint8, (in_features // 32,)
         else:
             groups = weight_scale.shape[-1] if weight_scale.dim() == 2 else 1
-            self.group_size = 0 if groups == 1 else in_features // groups
+            self.group_size = group_size or (0 if groups == 1 else in_features // groups)
             q_shape, q_dtype, s_dtype = (out_features, in_features), torch.int8, torch.float32
-            s_cols = (1, in_features // max(self.group_size, 1)) if self.group_size else (1,)
+            s_cols = (in_features // group_size,) if group_size else \
+                (1, in_features // max(self.group_size, 1)) if self.group_size else (1,)
         if tuple(qweight.shape) != q_shape or qweight.dtype != q_dtype:
             raise ValueError(f"{self.scheme.name} qweight must be {q_dtype} {list(q_shape)}, got {qweight.dtype} "
                              f"{list(qweight.shape)}")
@@ -275,7 +279,8 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
-                    ssz_iters: int = 50, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantLinear:
+                    ssz_iters: int = 50, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    group_size: int | None = None) -> QuantLinear:
         """Quantize `linear`'s weight (per channel, on its device) and carry over bias and online rotation.
 
         `quantized` = (q, scale) as `quantize_weight` returns them for this weight, when already computed.
@@ -287,7 +292,8 @@ class QuantLinear(nn.Module):
         rot = getattr(linear, ONLINE_ROTATION, None)
         return cls(linear.in_features, linear.out_features, sch, q, scale,
                    bias=None if linear.bias is None else linear.bias.detach(),
-                   online_rotation=None if rot is None else rot.detach().clone(), compute_dtype=w.dtype)
+                   online_rotation=None if rot is None else rot.detach().clone(), compute_dtype=w.dtype,
+                   group_size=group_size)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the engine multiplies by (float32 math), cast to `dtype`."""
@@ -306,7 +312,7 @@ class QuantLinear(nn.Module):
         x_quant = None  # what the kernel multiplies by, for the observer
         if isinstance(act, IntDtype):
             qx, sx = quantize_per_token(x, act)
-            if self.group_size:  # per-group scales do not factor out of the sum: float32 products
+            if self.weight_scale.shape[-1] > 1:  # per-group scales do not factor out of the sum: float32 products
                 y = (qx.to(torch.float32) @ self.dequantized_weight().t()) * sx
             else:
                 y = _integer_matmul(qx, self.qweight) * sx * self.weight_scale.t()

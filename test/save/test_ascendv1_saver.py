@@ -11,11 +11,14 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from ascendv1_toy import HIDDEN, INTER, UNIT, ToyAdapter, make_layer, quantize, write_source_dir
+from ascendv1_toy import HIDDEN, INTER, N_EXPERTS, UNIT, ToyAdapter, make_layer, quantize, write_source_dir
 from safetensors import safe_open
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
+from msmodelslim.pipeline.answers import run_processor
+from msmodelslim.processor.base import UnitContext
+from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.processor.save.base import SAVERS
 from msmodelslim.quant import QuantLinear, dequantize, unpack_int4
@@ -237,3 +240,31 @@ def test_non_finite_tensor_from_a_processor_is_refused_by_name_and_nothing_is_wr
                                              r"processing"):
         saver.save_unit(UNIT, layer)
     assert not list(out.glob("*.safetensors"))
+
+
+def test_a_per_group_linear_as_wide_as_one_group_is_written_in_the_per_group_layout(tmp_path):
+    # Issue 32 case (a): the toy experts' w1 / w3 have 32 inputs, one group of 32. Reference: the header says group
+    # 32, so every W4A8 per-group linear carries weight_scale_second [out, in / 32] and weight_scale ones (what
+    # vllm-ascend's per-group loader reads; before, these were written per channel under a per-group header).
+    src = write_source_dir(tmp_path / "src")
+    adapter = ToyAdapter(src)
+    layer = make_layer()
+    ctx = UnitContext(UNIT, layer, adapter, SINGLE, run_samples=lambda: None)
+    per_group = {"act": {"dtype": "int8"},
+                 "weight": {"dtype": "int4", "method": "minmax", "scope": "per_group", "ext": {"group_size": 32}}}
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=per_group, include=["*experts.*.w1",
+                                                                                            "*experts.*.w3"])), ctx)
+    out = tmp_path / "out"
+    saver = AscendV1Saver(AscendV1SaverConfig(), adapter, out, SINGLE)
+    saver.save_unit(UNIT, layer)
+    saver.finalize({})
+    description = json.loads((out / DESCRIPTION_NAME).read_text())
+    stored = _stored(out)
+    assert description["group_size"] == 32
+    for e in range(N_EXPERTS):
+        for w in ("w1", "w3"):
+            name = f"{P}block_sparse_moe.experts.{e}.{w}"
+            assert description[f"{name}.weight"] == "W4A8_DYNAMIC"
+            assert stored[f"{name}.weight_scale_second"].shape == (INTER, HIDDEN // 32)
+            assert torch.equal(stored[f"{name}.weight_scale"], torch.ones(INTER, 1))
+            assert torch.equal(stored[f"{name}.weight_offset_second"], torch.zeros(INTER, HIDDEN // 32))
