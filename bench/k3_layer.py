@@ -74,26 +74,27 @@ def fla_autotune(device: str, tokens: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def long_record_set(tokens: int, seq_len: int) -> tuple[Path, int]:
+def long_record_set(tokens: int, seq_len: int, images: bool = True) -> tuple[Path, int]:
     """A calibration set of about `tokens` tokens: records of random words longer than `seq_len` tokens (cut to
-    it), one in 8 an image+text record of lab_calib/calibImages. Returns (folder, records)."""
+    it), with `images` one in 8 an image+text record of lab_calib/calibImages. Returns (folder, records)."""
     import json
     import random
     import shutil
 
     records = -(-tokens // seq_len)
-    out = BENCH_OUT / f"calib_long_{records}x{seq_len}"
+    out = BENCH_OUT / f"calib_long_{records}x{seq_len}{'' if images else '_text'}"
     if (out / "index.jsonl").is_file():
         return out, records
     source = ROOT / "lab_calib" / "calibImages"
-    images = [json.loads(line) for line in (source / "index.jsonl").read_text().splitlines() if '"image"' in line]
+    pictures = [json.loads(line) for line in (source / "index.jsonl").read_text().splitlines() if '"image"' in line]
     shutil.copytree(source / "images", out / "images", dirs_exist_ok=True)
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
     lines = []
     for i in range(records):
         text = " ".join(rng.choice(words) for _ in range(2 * seq_len))
-        lines.append(json.dumps({**images[i // 8 % len(images)], "text": text} if i % 8 == 7 else {"text": text}))
+        with_image = images and i % 8 == 7
+        lines.append(json.dumps({**pictures[i // 8 % len(pictures)], "text": text} if with_image else {"text": text}))
     (out / "index.jsonl").write_text("\n".join(lines) + "\n")
     return out, records
 

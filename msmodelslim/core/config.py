@@ -428,6 +428,10 @@ class Spec(StrictConfig):
     # Records of one length are forwarded together, up to this many tokens per forward (null: one record each).
     micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
     fallback: list[FallbackConfig] = field(default_factory=list)  # linears kept in higher precision
+    # MTP layers (Kimi-K3's layers.{N + k}): quantized like the rest, kept FLOAT, or left out of the output (and out
+    # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
+    # with them (docs/user_guide.md section 4).
+    mtp: Literal["quantize", "float", "drop"] = "quantize"
 
     def validate(self) -> None:
         if not self.dataset.strip():

@@ -61,6 +61,10 @@ class ModelAdapter(ABC):
     def units(self) -> list[Unit]:
         """Units in execution order."""
 
+    def drop_units(self, kind: str) -> list[Unit]:
+        """Leave the units of `kind` out of the run (`spec.mtp: drop`); returns those dropped."""
+        raise NotImplementedError(f"{type(self).__name__} cannot leave units out")
+
     def unit_module(self, unit: Unit) -> nn.Module:
         """The unit's module as built on the meta device, before loading (for plans made before any compute)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose unit skeletons")

@@ -3,27 +3,46 @@ need no compute, and this rank's share of the calibration samples. A run and `--
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from msmodelslim.core.config import FallbackConfig
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
 
+    if spec.mtp == "drop" and adapter.drop_units("mtp"):
+        logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)
-    processors = apply_fallback([step.build() for step in spec.process], spec.fallback, adapter)
+    processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
+                                adapter)
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
     schemes = scheme_names(planned)
     for processor in processors:
         processor.preflight(adapter, schemes)
     check_plan(processors, planned, adapter)
     return samples, processors
+
+
+def _mtp_fallback(adapter: ModelAdapter, spec: Any) -> list[FallbackConfig]:
+    """`spec.mtp: float` as a fallback entry: every linear of the MTP layers to FLOAT (with the fallback's own rules:
+    fused groups move whole, the log says how many)."""
+    layers = [f"{unit.prefix}*" for unit in adapter.units() if unit.kind == "mtp"]
+    if spec.mtp != "float" or not layers:
+        return []
+    entry = FallbackConfig(to="FLOAT", names=layers)
+    entry.load(Path("."), "spec.mtp")  # its globs: the names (no file to read)
+    return [entry]
 
 
 def _sample_size(sample: dict[str, Any]) -> int:

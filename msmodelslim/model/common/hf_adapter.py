@@ -76,7 +76,16 @@ class HFModelAdapter(ModelAdapter):
 
     # --- structure and names: the layout ---------------------------------------------------------------------
     def units(self) -> list[Unit]:
-        return self.layout.units()
+        dropped = self.__dict__.get("_dropped_kinds", ())
+        return [unit for unit in self.layout.units() if unit.kind not in dropped]
+
+    def drop_units(self, kind: str) -> list[Unit]:
+        """Leave the units of `kind` out of everything that follows (a practice's `spec.mtp: drop`): they are
+        neither calibrated nor processed nor written. Returns those dropped."""
+        dropped = [unit for unit in self.units() if unit.kind == kind]
+        self.__dict__["_dropped_kinds"] = {*self.__dict__.get("_dropped_kinds", ()), kind}
+        self.__dict__.pop("_linear_walk", None)  # the walk of the model's linears, made again without them
+        return dropped
 
     def unit_module(self, unit: Unit) -> nn.Module:
         return self.layout.unit_module(unit)

@@ -1,0 +1,87 @@
+"""What a calibration token costs the runner on the CPU, against a plain layer-wise forward (issue 31's CPU target).
+
+kimi-linear-mini (../shared/models, a real trained Kimi-Linear) with its shipped `kimi_linear_w4a8` practice (GPTQ,
+the smoothing search, the quant report) on generated text sets of T1 and T2 tokens (records of `--max-seq-len`
+random words, bench/k3_layer.py's generator). For each size: the runner's wall time of a `msmodelslim quant` run
+(its own statistics), and the seconds of a plain forward of the same micro-batches through every unit, layer by
+layer, with nothing observed (what `msmodelslim eval` does twice per token: original and quantized). The marginal
+cost per token is the slope between the sizes; the target is runner <= 3 x forward.
+
+    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512]
+Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import BENCH_OUT, ROOT, SHARED, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.k3_layer import long_record_set  # noqa: E402
+from msmodelslim.core.calib import load_calib_records  # noqa: E402
+from msmodelslim.core.config import DEFAULT_MICRO_BATCH_TOKENS  # noqa: E402
+from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter  # noqa: E402
+from msmodelslim.pipeline.assembly import micro_batches  # noqa: E402
+
+MINI = SHARED / "models" / "kimi-linear-mini"
+PRACTICE = ROOT / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8.yaml"
+
+
+def plain_forward_s(folder: Path, records: int, max_seq_len: int) -> float:
+    """Seconds of one forward of every calibration micro-batch through every unit, unit after unit (loading and
+    freeing the units not counted)."""
+    adapter = KimiK3ModelAdapter(MINI)
+    try:
+        samples = micro_batches(adapter.prepare_samples(load_calib_records(str(folder), "", records),
+                                                        max_seq_len=max_seq_len), DEFAULT_MICRO_BATCH_TOKENS)
+        device, seconds = torch.device("cpu"), 0.0
+        for unit in adapter.units():
+            module = adapter.load_unit(unit, device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                samples = [adapter.forward_unit(unit, module, s) for s in samples]
+            seconds += time.perf_counter() - t0
+            adapter.free_unit(unit, module)
+        return seconds
+    finally:
+        adapter.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    args = p.parse_args()
+    sizes = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for tokens in sizes:
+        folder, records = long_record_set(tokens, args.max_seq_len, images=False)
+        practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
+                                     dataset=folder)
+        run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear")["ranks"][0]
+        forward = plain_forward_s(folder, records, args.max_seq_len)
+        rows.append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2), "forward_s": round(forward, 3),
+                     "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
+                                  and k not in ("runner_wall", "peak_rss_gb")},
+                     "passes": run.get("calibration_passes")})
+        print(rows[-1], flush=True)
+    first, last = rows[0], rows[-1]
+    span = last["tokens"] - first["tokens"]
+    runner_ms = 1000 * (last["runner_s"] - first["runner_s"]) / span
+    forward_ms = 1000 * (last["forward_s"] - first["forward_s"]) / span
+    stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
+    print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
+                  "practice": PRACTICE.name, "max_seq_len": args.max_seq_len, "sizes": rows,
+                  "runner_marginal_ms_per_token": round(runner_ms, 4),
+                  "forward_marginal_ms_per_token": round(forward_ms, 4),
+                  "ratio": round(runner_ms / forward_ms, 2) if forward_ms > 0 else None, "target_ratio": 3,
+                  "stage_marginal_ms_per_token": stage_ms})
+
+
+if __name__ == "__main__":
+    main()
