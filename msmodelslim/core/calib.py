@@ -70,6 +70,9 @@ def resolve_dataset(dataset: str) -> list[Path]:
         if not shards:
             raise CalibError(f"calibration dataset directory {path} has neither {INDEX_NAME} nor *.jsonl shards")
         return shards
+    if path.exists() and not path.is_file():  # a FIFO or a device would be read forever
+        raise CalibError(f"calibration dataset {path} is not a regular file (a pipe, device or socket cannot be read "
+                         "as one)")
     if not path.is_file():
         raise CalibError(f"calibration dataset not found: {path}")
     return [path]

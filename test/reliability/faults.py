@@ -320,6 +320,10 @@ def practice_is_dev_zero(model: Path, ws: Path) -> list[str]:
     return ["--config_path", "/dev/zero"]
 
 
+def calibration_dataset_is_dev_zero(model: Path, ws: Path) -> list[str]:
+    return ["--calibration_dataset", "/dev/zero"]
+
+
 def too_many_glob_patterns(model: Path, ws: Path) -> list[str]:
     globs = ", ".join(f'"*layers.{i}.*"' for i in range(600))
     return practice(ws, {'include: ["*experts.*"]': f"include: [{globs}]"})
@@ -407,6 +411,8 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                             r"allowed"),
     "practice_is_a_fifo": (practice_is_a_fifo, r"practice path \S+practice\.yaml is not a regular file"),
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
+    "calibration_dataset_is_dev_zero": (calibration_dataset_is_dev_zero,
+                                        r"calibration dataset /dev/zero is not a regular file"),
     "too_many_glob_patterns": (too_many_glob_patterns, r"practice\.yaml: spec\.process\[2\]\.include: 600 glob "
                                r"patterns, above the limit of 512"),
     "save_path_not_utf8": (save_path_not_utf8, r"--save_path b'\S+/out\\xff': the name is not valid UTF-8"),
