@@ -117,6 +117,15 @@ def choose_practice(
         elif tags and not qualifies(practice.metadata, model_type, tags):
             logger.warning("%s is not verified for --tag %s (it is for %s)", path, " ".join(tags),
                            _hardware(practice.metadata, model_type))
-        return ChosenPractice(path, practice)
+        return _noted(ChosenPractice(path, practice))
     path = find_practice(model_type, quant_type, group, root, tags)
-    return ChosenPractice(path, load_practice(path, *registries()))
+    return _noted(ChosenPractice(path, load_practice(path, *registries())))
+
+
+def _noted(chosen: ChosenPractice) -> ChosenPractice:
+    """The practice's serving note (consumer versions, deployment limits) as a warning: it decides whether the
+    output can be served where the user means to."""
+    note = chosen.practice.metadata.serving_note
+    if note:
+        logger.warning("%s: %s", chosen.practice.metadata.config_id, " ".join(note.split()))
+    return chosen

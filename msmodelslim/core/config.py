@@ -337,6 +337,9 @@ class Metadata(StrictConfig):
     label: Label
     verified_model_types: list[str] = field(default_factory=list)
     verified_tags: dict[str, list[list[str]]] = field(default_factory=dict)
+    # what a user must know about the consumers that serve the output (versions, deployment limits): logged as a
+    # warning whenever the practice is chosen, and kept in the copied practice
+    serving_note: str | None = None
 
     def validate(self) -> None:
         if not self.config_id.strip():

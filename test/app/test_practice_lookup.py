@@ -152,3 +152,17 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
     assert {plan[s] for s in groups[mla]} == {w8} and len(groups[mla]) == 3  # q_a kv_a g
     moe = next(g for g in groups if g.endswith("experts"))
     assert len({plan[s] for s in groups[moe]}) == 1 and plan[groups[moe][0]] != "FLOAT"
+
+
+def test_a_practice_with_a_serving_note_says_it_when_chosen(caplog):
+    # the per-group W4A8 practices name the vllm-ascend versions that serve them; the plain W4A8 one has no note
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.app.practice"):
+        choose_practice("Kimi-K3", "kimi_k3", None, "kimi_k3_w4a8_pergroup")
+    assert "kimi_k3_w4a8_pergroup: per-group W4A8 MoE is served by vllm-ascend 0.23.x and releases/v0.26.0rc" \
+        in caplog.text and "refuses group_size > 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.app.practice"):
+        choose_practice("Kimi-K3", "kimi_k3", "w4a8", None)
+    assert not caplog.records
