@@ -148,8 +148,10 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     simulated: set[str] = set()
     attentions: set[str] = set()
     for unit in adapter.units():
-        if unit.kind in ("vision", "mtp"):  # perplexity reads the head's logits: MTP layers (possibly dropped from
-            continue  # the output by spec.mtp) take no part
+        if unit.kind == "vision":
+            continue
+        if unit.kind == "mtp" and not any(name.startswith(unit.prefix) for name in reader.weight_map):
+            continue  # left out of the output (spec.mtp: drop); perplexity reads the head's logits anyway
         for variant, unit_reader in variants.items():
             t0 = time.perf_counter()
             module = adapter.load_unit(unit, device, reader=unit_reader)
@@ -169,8 +171,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
     if count["quant"] == 0:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
-    mtp = {name for unit, name in adapter.linear_names() if unit.kind == "mtp"}
-    unmatched = sorted(set(reader.quantized_linears()) - simulated - mtp)
+    unmatched = sorted(set(reader.quantized_linears()) - simulated)
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
                          f"an nn.Linear of any text unit of {type(adapter).__name__}; it cannot be simulated")
