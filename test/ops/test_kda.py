@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fla.ops.kda.gate import naive_kda_gate
+from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 
 from msmodelslim.core.device import tensor_core_fp32_matmuls
@@ -161,6 +161,26 @@ def test_gate_in_kernel_equals_precomputed_gate():
                     A_log=A_log, dt_bias=dt_bias)
         torch.testing.assert_close(o1, o2, rtol=0, atol=0)
         torch.testing.assert_close(s1, s2, rtol=0, atol=0)
+
+
+def test_bounded_gate_equals_fla_naive_lower_bound_gate_and_stays_in_its_bounds():
+    # vLLM 0.33's Kimi-K3 KDA with linear_attn_config.gate_lower_bound: g = lb * sigmoid(exp(A_log) * (g + dt_bias));
+    # reference fla's naive_kda_lowerbound_gate (plain torch), float32 tolerance; the released value -5.0
+    _, _, _, raw, A_log, dt_bias, _, _ = kimi_inputs(T=64)
+    for lb in (-5.0, -1.0):
+        ours = kda_gate(raw, A_log, dt_bias, lower_bound=lb)
+        ref = naive_kda_lowerbound_gate(raw, A_log, dt_bias, lower_bound=lb)
+        torch.testing.assert_close(ours, ref.to(ours.dtype), rtol=1e-6, atol=1e-6)
+        assert bool((ours >= lb).all()) and bool((ours <= 0).all())  # (lb, 0), reaching the ends in float32
+        torch.testing.assert_close(fused_kda_gate(raw, A_log, dt_bias, lower_bound=lb), ours, rtol=0, atol=0)
+    q, k, v, _, _, _, beta, h0 = kimi_inputs(T=100)
+    g = kda_gate(raw[:, :1].expand(-1, 100, -1, -1).contiguous(), A_log, dt_bias, lower_bound=-5.0)
+    o1, s1 = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o2, s2 = chunk_kda(q, k, v, raw[:, :1].expand(-1, 100, -1, -1).contiguous(), beta, initial_state=h0,
+                       output_final_state=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                       lower_bound=-5.0)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(s1, s2, rtol=0, atol=0)
 
 
 def test_varlen_equals_separate_sequences():

@@ -83,6 +83,11 @@ class KimiK3ModelAdapter(HFModelAdapter):
         for name in REQUIRED_LINEAR_ATTN_FIELDS:
             if name not in lac:
                 raise UserError(f"{config_file}: required key {where}linear_attn_config.{name} is missing")
+        bound = lac.get("gate_lower_bound")
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not -5 <= bound < 0):
+            # vLLM 0.33's Kimi-K3 KDA refuses other values (kda:619-624): its bounded gate is lb * sigmoid(...)
+            raise UserError(f"{config_file}: {where}linear_attn_config.gate_lower_bound must be a number in [-5, 0), "
+                            f"got {shown(bound)}")
         if multimodal:
             for name in REQUIRED_VISION_FIELDS:
                 if name not in config["vision_config"]:
