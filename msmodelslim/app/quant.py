@@ -438,10 +438,16 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterat
     try:
         yield
     except BaseException as exc:
-        error = stop.replace(exc)
-        if isinstance(error, Exception) and not isinstance(error, UserError):
-            error = disk_full_error(work_dir, error) or error  # the publish's own writes
-        _failed(work_dir, world, error, *files)
+        # A signal that arrives while the failure is handled (torchrun's agent signals the survivors as soon as a rank
+        # dies, often just after they lost their peer) waits until the handling is done, then stops the run.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            error = stop.replace(exc)
+            if isinstance(error, Exception) and not isinstance(error, UserError):
+                error = disk_full_error(work_dir, error) or error  # the publish's own writes
+            _failed(work_dir, world, error, *files)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if error is exc:
             raise
         raise error from None
@@ -538,7 +544,8 @@ def _check_shared(plan: _Plan, work_dir: Path, token: str, source: dict[str, str
     differs = different_source(source, source_identity(plan.model_path))
     ranks = torchrun.gather((place.rank, torchrun.host(), seen, differs))
     if place.is_main:
-        (work_dir / _SHARED_TOKEN).unlink()  # every rank has looked: gather is collective
+        # every rank has looked (gather is collective); a rank that failed may already have removed the folder
+        (work_dir / _SHARED_TOKEN).unlink(missing_ok=True)
     blind = [(rank, host) for rank, host, ok, _ in ranks if not ok]
     if blind:
         rank, host = blind[0]
