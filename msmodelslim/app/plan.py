@@ -143,7 +143,8 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
         "output": {"bytes": sum(rank_bytes), "bytes_per_rank": rank_bytes,
                    "shards": [s for r in rank_shards for s in r if s], "part_file_size_gib": save_config.part_file_size},
         "memory_per_rank": memory,
-        "calibration": {"samples": samples, "tokens": tokens, "ranks": world},
+        "calibration": {"samples": samples, "tokens": tokens, "ranks": world,
+                        "expert_coverage": _expert_coverage(adapter, linears, tokens)},
         "time": _time_estimate(adapter, device_type, world, units, tokens),
     }
 
@@ -177,6 +178,22 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
     worst["host_gib"] = round(worst["host_bytes"] / GIB, 2)
     worst["model"] = "docs/npu.md, Memory per rank"
     return worst
+
+
+def _expert_coverage(adapter: Any, linears: list[LinearPlan], tokens: int) -> dict[str, Any] | None:
+    """The tokens a routed expert's Hessian sees if the router spreads them evenly (tokens x top-k / experts), against
+    the widest routed-expert input: below it the Hessian is rank-deficient (the run's log and report say how the
+    real router spread them)."""
+    widths = [lp.in_features for lp in linears if lp.expert and lp.method == "gptq"]
+    config = getattr(adapter, "text_config", None)
+    experts = getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok", None)
+    if not widths or not experts or not top_k:
+        return None
+    per_expert = tokens * top_k // experts
+    width = max(widths)
+    return {"tokens_per_expert_even_routing": per_expert, "widest_expert_input": width,
+            "tokens_for_full_rank": -(-width * experts // top_k), "full_rank": per_expert >= width}
 
 
 def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
@@ -217,6 +234,12 @@ def describe(plan: dict[str, Any]) -> str:
                      f"~{_size(mem['host_bytes'])} ({mem['model']})")
     cal = plan["calibration"]
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
+    cov = cal.get("expert_coverage")
+    if cov:
+        lines.append(f"expert coverage (even routing): ~{cov['tokens_per_expert_even_routing']} tokens per routed "
+                     f"expert against inputs {cov['widest_expert_input']} wide: "
+                     + ("full-rank Hessians" if cov["full_rank"] else
+                        f"rank-deficient Hessians; about {cov['tokens_for_full_rank']} calibration tokens fill them"))
     t = plan["time"]
     lines.append(f"time: ~{t['hours']} h ({t['assumes']})" if t.get("seconds") is not None else f"time: {t['note']}")
     return "\n".join(lines)

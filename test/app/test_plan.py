@@ -95,6 +95,13 @@ def test_the_plan_reads_headers_only_and_takes_seconds(tiny_k3_checkpoint, tmp_p
     assert "linear_quant #0 W4A8_DYNAMIC (gptq)" in out and "memory per rank, largest unit" in out
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["calibration"]["tokens"] > 0 and saved["memory_per_rank"]["device_bytes"] > 0
+    # the tiny K3: 16 experts, top-4, routed-expert inputs 64 wide: even routing gives each expert a quarter of the
+    # tokens, and 64 x 16 / 4 = 256 calibration tokens fill their Hessians
+    tokens = saved["calibration"]["tokens"]
+    assert saved["calibration"]["expert_coverage"] == {
+        "tokens_per_expert_even_routing": tokens * 4 // 16, "widest_expert_input": 64, "tokens_for_full_rank": 256,
+        "full_rank": tokens * 4 // 16 >= 64}
+    assert "expert coverage (even routing): ~" in out
     assert "no benchmark record for cpu" in saved["time"]["note"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "plan.json"]
 
