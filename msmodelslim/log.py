@@ -19,9 +19,9 @@ from msmodelslim.errors import UserError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_LEVEL_ENV = "MSMODELSLIM_LOG_LEVEL"
+_FLA_CPU_WARNING = "Triton is not supported on current platform"
 # C0 and C1 controls and DEL: a tag or a file name holding them could move the cursor, clear the screen or, with a
 # newline, forge a log line of its own
-_FLA_CPU_WARNING = "Triton is not supported on current platform"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 

@@ -92,6 +92,7 @@ class _Plan:
     device: DeviceSpec
     records: list[CalibRecord]
     practice_data: bytes  # the practice file as it runs (`practice_bytes`): the fingerprint's and the output's copy
+    source: dict[str, str]  # source_identity of model_path, read once (it samples every shard)
 
 
 def _read_model_config(model_path: Path) -> dict[str, Any]:
@@ -150,13 +151,11 @@ def _check_expert_split(model_path: Path, config: dict[str, Any], device: Device
         )
 
 
-def _check_fallback_reports(chosen: ChosenPractice, model_path: Path) -> None:
+def _check_fallback_reports(chosen: ChosenPractice, model_path: Path, source: dict[str, str]) -> None:
     """A fallback's report must come from this checkpoint: another one's linears rank nothing here."""
-    source = None
     for i, fallback in enumerate(chosen.practice.spec.fallback):
         if fallback.report_source is None:
             continue
-        source = source or source_identity(model_path)
         if different_source(fallback.report_source, source) is not None:
             raise UserError(f"{chosen.path}: spec.fallback[{i}].report {fallback.report} is the quant report of "
                             f"another checkpoint (its config / index / tensor hashes differ from {model_path}'s)")
@@ -219,10 +218,11 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
             f"{chosen.path}: spec.dataset {spec.dataset!r} has {len(records)} records, fewer than the "
             f"{device.world_size} devices of --device {args.device}"
         )
-    _check_fallback_reports(chosen, model_path)
+    source = source_identity(model_path)
+    _check_fallback_reports(chosen, model_path, source)
     adapter_cls = entry.load_adapter_class()
     adapter_cls.check_config(config, model_path / "config.json", args.model_type)
-    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records, practice_bytes(chosen))
+    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records, practice_bytes(chosen), source)
 
 
 def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None,
@@ -238,6 +238,7 @@ def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after
         practice=plan.chosen.practice,
         trust_remote_code=args.trust_remote_code,
         records=plan.records,
+        source=plan.source,
         orphan_cleanup=(_side_name(plan.save_path, "lock"),),
         resume_after=resume_after,
         ascend_check=ascend_check.enabled(),
@@ -392,7 +393,7 @@ def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], in
     work_dir = _side_name(plan.save_path, "partial")
     state = ResumeState(work_dir)
     world = plan.device.world_size
-    expected = fingerprint(source_identity(plan.model_path), plan.practice_data, plan.device.type, world)
+    expected = fingerprint(plan.source, plan.practice_data, plan.device.type, world)
     if args.resume:
         if not work_dir.is_dir():
             raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
@@ -510,7 +511,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
         try:
             with contextlib.ExitStack() as held:
                 work_dir, after, error, token = None, None, None, uuid.uuid4().hex
-                source = source_identity(plan.model_path) if place.is_main else None
+                source = plan.source if place.is_main else None
                 if place.is_main:
                     try:
                         held.enter_context(_output_lock(plan.save_path))
@@ -541,7 +542,7 @@ def _check_shared(plan: _Plan, work_dir: Path, token: str, source: dict[str, str
         seen = (work_dir / _SHARED_TOKEN).read_text() == token
     except OSError:
         seen = False
-    differs = different_source(source, source_identity(plan.model_path))
+    differs = different_source(source, plan.source)  # each rank's plan read its own --model_path
     ranks = torchrun.gather((place.rank, torchrun.host(), seen, differs))
     if place.is_main:
         # every rank has looked (gather is collective); a rank that failed may already have removed the folder

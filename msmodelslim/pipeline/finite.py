@@ -1,5 +1,5 @@
-"""Finiteness of the calibration activations: every unit's outputs are checked as they are kept for the next unit
-(one reduction per tensor on the device, read after the pass's one synchronisation). A NaN or Inf found there is
+"""Finiteness of the calibration activations: the outputs of every calibration pass of a unit are checked (one
+reduction per tensor on the device, read once at the end of the pass). A NaN or Inf found there is
 traced to the first module that made it from finite inputs, by one more forward of that record with hooks, so the
 error names the unit, the module and the likely cause instead of surfacing later as a linear-algebra failure or as
 a silent NaN scale."""

@@ -91,6 +91,7 @@ class QuantRequest:
     trust_remote_code: bool
     prefetch: bool = True
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
+    source: dict[str, str] | None = None  # formats.checkpoint.source_identity of model_path, when the app has it
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
     orphan_cleanup: tuple[Path, ...] = ()
     ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
@@ -196,7 +197,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
-            QuantReport(adapter, dist, source_identity(request.model_path), request.work_dir)
+            QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir)
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
                                  resume=None if request.report_only else ResumeState(request.work_dir),
                                  resume_after=request.resume_after,

@@ -35,6 +35,7 @@ class HFModelAdapter(ModelAdapter):
     def __init__(self, model_path: str | Path, trust_remote_code: bool = False, dist: DistContext = SINGLE,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__(model_path, trust_remote_code)
+        self._dropped_kinds: set[str] = set()  # unit kinds left out of the run (drop_units)
         self.dist = dist
         self.dtype = dtype
         self.checkpoint = HFCheckpoint(self.model_path, trust_remote_code, dtype)
@@ -76,14 +77,13 @@ class HFModelAdapter(ModelAdapter):
 
     # --- structure and names: the layout ---------------------------------------------------------------------
     def units(self) -> list[Unit]:
-        dropped = self.__dict__.get("_dropped_kinds", ())
-        return [unit for unit in self.layout.units() if unit.kind not in dropped]
+        return [unit for unit in self.layout.units() if unit.kind not in self._dropped_kinds]
 
     def drop_units(self, kind: str) -> list[Unit]:
         """Leave the units of `kind` out of everything that follows (a practice's `spec.mtp: drop`): they are
         neither calibrated nor processed nor written. Returns those dropped."""
         dropped = [unit for unit in self.units() if unit.kind == kind]
-        self.__dict__["_dropped_kinds"] = {*self.__dict__.get("_dropped_kinds", ()), kind}
+        self._dropped_kinds.add(kind)
         self.__dict__.pop("_linear_walk", None)  # the walk of the model's linears, made again without them
         return dropped
 

@@ -143,7 +143,7 @@ class KimiK3ModelAdapter(HFModelAdapter):
             holder["mla_use_nope"] = True
             logger.info("config.json: added mla_use_nope: true (NoPE MLA; vLLM asserts the flag)")
         holder.update(quantize_summary(description))
-        if "mtp" in self.__dict__.get("_dropped_kinds", ()) and holder.get("num_nextn_predict_layers"):
+        if holder.get("num_nextn_predict_layers") and not any(unit.kind == "mtp" for unit in self.units()):
             holder["num_nextn_predict_layers"] = 0  # the output has no MTP layer for a drafter to build
             logger.info("config.json: num_nextn_predict_layers set to 0 (spec.mtp: drop)")
         if isinstance(config.get("text_config"), dict):
