@@ -75,6 +75,7 @@ def main() -> None:
         "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
         "process_s": {k.split(".", 1)[1]: round(v, 1) for k, v in sorted(stages.items()) if k.startswith("process.")},
         "eval_s": round(time.perf_counter() - start, 1),
+        "output_mib": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20, 2),
     })
 
 

@@ -435,6 +435,9 @@ class Spec(StrictConfig):
     # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
     # with them (docs/user_guide.md section 4).
     mtp: Literal["quantize", "float", "drop"] = "quantize"
+    # The serving layouts (model classes of the consumer) the output must load in: which linears run fused, hence
+    # with one scheme (model/kimi_k3/serving.py). None: every layout the adapter knows.
+    serving: list[str] | None = None
 
     def validate(self) -> None:
         if not self.dataset.strip():

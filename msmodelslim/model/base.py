@@ -91,8 +91,17 @@ class ModelAdapter(ABC):
 
     def fused_groups(self) -> list[tuple[str, list[str]]]:
         """(fused layer name, serving names of its shards): linears the serving engine runs as one layer with one
-        quantization scheme. Empty when the engine fuses nothing."""
+        quantization scheme, in any serving layout chosen by `serve_on`. Empty when the engine fuses nothing."""
         return []
+
+    def serve_on(self, layouts: list[str] | None) -> None:
+        """Fuse as the serving layouts `layouts` do (a practice's `spec.serving`; None: every layout known)."""
+        if layouts:
+            raise UserError(f"spec.serving: {type(self).__name__} knows no serving layouts; leave the key out")
+
+    def fused_by(self, group: str) -> str:
+        """Who runs fused layer `group` as one layer (for messages)."""
+        return "the serving engine"
 
     @abstractmethod
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:

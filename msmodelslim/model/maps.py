@@ -86,13 +86,24 @@ class Rotate:
             raise ValueError(f"Rotate({self.name!r}): unknown space {self.space!r} (known: {SPACES})")
 
 
+@dataclass(frozen=True)
+class AppendRotation:
+    """A writer of `space` whose output no stored weight can rotate (it ends in a norm: RMSNorm(u) diag(w) Q is no
+    RMSNorm of any rotated u) gets an explicit stored linear `name` [size, size], W = Q^T, applied to `module`'s
+    output (y = x W^T = x Q) by the serving engine: Kimi-K3's projector and vllm-ascend's `mm_projector.rot_proj`."""
+
+    module: str
+    name: str
+    size: int
+    space: str = HIDDEN
+
+
 @dataclass
 class QuaRotPlan:
     fuse: list[FuseNorm] = field(default_factory=list)
     rotate: list[Rotate] = field(default_factory=list)
     online: list[str] = field(default_factory=list)  # down projections whose input takes an online Hadamard
-    # Why the residual stream cannot be rotated exactly through this unit (None: it can)
-    hidden_blocker: str | None = None
+    append: list[AppendRotation] = field(default_factory=list)  # explicit rotations after norm-ended writers
 
 
 # ---------------------------------------------------------------------------------------------------------------

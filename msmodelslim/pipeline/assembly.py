@@ -21,6 +21,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
 
+    adapter.serve_on(spec.serving)
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)

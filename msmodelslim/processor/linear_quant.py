@@ -386,8 +386,9 @@ _MX_INPUT_MULTIPLE = {"W4A8_MXFP": 64, "W4A4_MXFP4": 64}
 
 
 def check_served_schemes(planned: dict[str, LinearQuantConfig | None], adapter: Any) -> None:
-    """What the serving engine needs of the plan: one group size for the model, W4A16_MXFP4 on routed experts only
-    (vllm-ascend registers it for MoE layers, not for linears), and input widths the blocks or groups divide."""
+    """What the serving engine needs of the plan: one group size for the model, W4A16_MXFP4 and per-channel
+    W4A8_DYNAMIC on routed experts only (vllm-ascend serves them for MoE layers, not for linears), and input widths
+    the blocks or groups divide."""
     description_group_size([cfg for cfg in planned.values() if cfg is not None])
     widths = adapter.linear_in_features()
     for name, cfg in planned.items():
@@ -397,6 +398,12 @@ def check_served_schemes(planned: dict[str, LinearQuantConfig | None], adapter: 
         if scheme.name == "W4A16_MXFP4" and not adapter.is_rank_local(name):
             raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
                             f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
+        if scheme.name == "W4A8_DYNAMIC" and not cfg.qconfig.weight.group_size and not adapter.is_rank_local(name):
+            # vllm-ascend's W4A8_DYNAMIC linear (methods/w4a8.py AscendW4A8DynamicLinearMethod) is weight-only with
+            # weight groups of the description's group_size: per channel (0) it divides by zero building the layer
+            raise UserError(f"spec.process: {name} would be W4A8_DYNAMIC per channel, which vllm-ascend serves for "
+                            f"routed experts only (its W4A8 linear is weight-only and per group); include it in a "
+                            f"W8A8_DYNAMIC entry")
         multiple = _MX_INPUT_MULTIPLE.get(scheme.name, 32) if scheme.is_mx else cfg.qconfig.weight.group_size
         if multiple and widths[name] % multiple:
             raise UserError(f"spec.process: {name} has {widths[name]} inputs, which {scheme.name}"
@@ -435,5 +442,6 @@ def check_fused_groups(schemes: dict[str, str], adapter: Any) -> None:
         if len(by_scheme) > 1:
             detail = "; ".join(f"{shard} is {scheme}" for scheme, shard in by_scheme.items())
             members = sorted({s.rsplit(".", 1)[-1] if ".experts." not in s else "experts.*" for s in shards})
-            raise UserError(f"spec.process: the serving engine runs {group} as one layer with one scheme, but the "
-                            f"practice splits it ({detail}); include or exclude {', '.join(members)} together")
+            raise UserError(f"spec.process: {adapter.fused_by(group)} runs {group} as one layer with one scheme, "
+                            f"but the practice splits it ({detail}); include or exclude {', '.join(members)} "
+                            f"together, or serve on other layouts (spec.serving)")

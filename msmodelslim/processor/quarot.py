@@ -29,10 +29,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from msmodelslim.core.placement import host_section
-from msmodelslim.errors import UserError
 from msmodelslim.model.maps import HIDDEN, KV_LORA, LATENT, MLA_V, WHOLE, QuaRotPlan, Span
 from msmodelslim.ops.hadamard import factor_order, orthogonal_hadamard, random_hadamard
 from msmodelslim.processor.base import OutputExtras, Processor, ProcessorConfig, UnitContext, register_processor
+from msmodelslim.quant.modules import append_output_linear
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +174,6 @@ class QuaRotProcessor(Processor):
                 self._online[size] = orthogonal_hadamard(size, self.config.block_size).float()
         return self._online[size]
 
-    def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
-        """Refuse, before any compute, a residual rotation the model cannot carry exactly."""
-        if not self.config.rotate_hidden:
-            return
-        for unit in adapter.units():
-            blocker = adapter.quarot_plan(unit, adapter.unit_module(unit)).hidden_blocker
-            if blocker:
-                raise UserError(f"quarot: the residual stream cannot be rotated through unit {unit.name}: {blocker}; "
-                                f"set rotate_hidden: false in the practice's quarot step")
-
     def process_unit(self, ctx: UnitContext) -> None:
         plan: QuaRotPlan = ctx.adapter.quarot_plan(ctx.unit, ctx.module)
         modules = dict(ctx.module.named_modules())
@@ -210,6 +200,12 @@ class QuaRotProcessor(Processor):
             else:
                 bias = getattr(mod, "bias", None)
                 rotate_out(w, None if bias is None else bias.data, q, r.span)
+        for a in plan.append:
+            if a.space in spaces:
+                owner = modules[a.module]
+                dtype = next(owner.parameters()).dtype
+                q = self.rotation(a.space, a.size, next(owner.parameters()).device)
+                append_output_linear(owner, a.name, q.T.to(dtype).contiguous())
         if self.config.online_down:
             for name in plan.online:
                 mod = get(name)

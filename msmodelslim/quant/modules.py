@@ -120,6 +120,32 @@ def apply_online_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tens
     return F.linear(x.to(torch.float32), rotation.to(device=x.device, dtype=torch.float32)).to(x.dtype)
 
 
+_APPENDED_HOOKS = "_appended_linear_hooks"
+
+
+def append_output_linear(module: nn.Module, name: str, weight: torch.Tensor) -> nn.Linear:
+    """module(x) <- child `name`(module(x)): a new bias-free linear holding `weight` [out, in], applied to the
+    module's output as the serving engine applies a stored linear after it (vllm-ascend's `mm_projector.rot_proj`,
+    a residual rotation that no weight of a projector ending in a norm can absorb). The weight's dtype is the
+    compute dtype, as the engine computes it."""
+    if hasattr(module, name):
+        raise ValueError(f"{type(module).__name__} already has a child {name!r}")
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    module.add_module(name, linear)
+    hooks = module.__dict__.setdefault(_APPENDED_HOOKS, {})
+    hooks[name] = module.register_forward_hook(lambda _m, _args, out: linear(out))
+    return linear
+
+
+def remove_output_linear(module: nn.Module, name: str) -> None:
+    """Undo `append_output_linear` (nothing when the module has none of that name)."""
+    hook = module.__dict__.get(_APPENDED_HOOKS, {}).pop(name, None)
+    if hook is not None:
+        hook.remove()
+        delattr(module, name)
+
+
 def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "ssz", ssz_iters: int = 50,
                     scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
                     tokens: int | torch.Tensor | None = None, gptq: GPTQOptions = DEFAULT_GPTQ,

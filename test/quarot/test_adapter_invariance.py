@@ -3,8 +3,8 @@ code with attention residuals, SiTU, the latent norm, q-LoRA MLA with the output
 MTP layer; EP-patched experts, runtime-patched kernels): units loaded, processed and forwarded one at a time as the
 layer-wise runner does; the head's logits and the MTP layer's logits compared with the unprocessed run of the
 same adapter (float32). Tolerance: relative RMS error < 2e-5 (fp32 rounding).
-- multimodal (image + text samples): the shipped practices' rotations (latent, kv_lora, online down; the residual
-  stream stays unrotated because the projector ends in an RMSNorm);
+- multimodal (image + text samples): the shipped practices' rotations (latent, kv_lora, online down), and with the
+  residual stream rotated too (the projector ends in an RMSNorm: its rotation is the stored `mm_projector.rot_proj`);
 - text-only Kimi-K3: every rotation, the residual stream through the attention residuals and the MTP layer included.
 """
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 from kimi_units import STANDIN_DIR, rel_err
 
-from msmodelslim.errors import UserError
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor
@@ -100,9 +99,22 @@ def test_residual_rotation_through_attention_residuals_and_mtp_keeps_the_logits(
         _check(adapter, _samples(adapter, image=False), QuaRotConfig(online_down=True))
 
 
-def test_residual_rotation_of_multimodal_kimi_k3_is_refused_before_compute(tiny_k3_checkpoint):
+def test_residual_rotation_of_multimodal_kimi_k3_keeps_the_logits_with_the_projector_rotation(tiny_k3_checkpoint):
+    # the projector ends in an RMSNorm, so its image tokens enter the rotated stream through the stored linear
+    # mm_projector.rot_proj = Q^T after it (as vllm-ascend applies it); reference: the unrotated run, < 2e-5
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
 
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True, dtype=torch.float32) as adapter:
-        with pytest.raises(UserError, match=r"mm_projector\.post_norm.*rotate_hidden: false"):
-            QuaRotProcessor(QuaRotConfig()).preflight(adapter, {})
+        samples = _samples(adapter, image=True)
+        assert "pixel_values" in samples[1]
+        quarot = QuaRotConfig(online_down=True)
+        _check(adapter, samples, quarot)
+        hidden = adapter.text_config.hidden_size
+        vision = next(u for u in adapter.units() if u.kind == "vision")
+        module = adapter.load_unit(vision, torch.device("cpu"))
+        processor = QuaRotProcessor(quarot)
+        run_processor(processor, UnitContext(vision, module, adapter, adapter.dist, lambda: None))
+        q = processor.rotation("hidden", hidden, torch.device("cpu"))
+        assert torch.equal(module.mm_projector.rot_proj.weight, q.T)
+        adapter.free_unit(vision, module)
+        assert not hasattr(adapter.model.mm_projector, "rot_proj")  # the shared skeleton is left as it was

@@ -283,6 +283,14 @@ def practice_splits_fused_group(model: Path, ws: Path) -> list[str]:
     return practice(ws, {'        - "*.self_attn.k_proj"\n': ""})
 
 
+def unknown_serving_layout(model: Path, ws: Path) -> list[str]:
+    return practice(ws, {"  runner: auto\n": "  runner: auto\n  serving: [vllm-ascend-9]\n"})
+
+
+def shared_experts_w4a8_per_channel(model: Path, ws: Path) -> list[str]:
+    return practice(ws, {'      exclude: ["*shared_experts*"]\n': ""})
+
+
 def huge_calibration_image(model: Path, ws: Path) -> list[str]:
     data = ws / "calib"
     data.mkdir()
@@ -398,10 +406,18 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "include_matches_nothing": (include_matches_nothing, r"include \['\*no_such_module\*'\] .* selects none of "
                                                          r"the model's \d+ linears"),
     "practice_splits_fused_group": (practice_splits_fused_group,
-                                    r"spec\.process: the serving engine runs \S+layers\.0\.self_attn\.in_proj_qkvgfab "
-                                    r"as one layer with one scheme, but the practice splits it \(\S+q_proj is "
-                                    r"W8A8_DYNAMIC; \S+k_proj is FLOAT\); include or exclude b_proj, f_a_proj, "
-                                    r"g_proj, k_proj, q_proj, v_proj together"),
+                                    r"spec\.process: serving layout vllm-0\.33 runs \S+layers\.0\.self_attn\."
+                                    r"in_proj_qkvgfab as one layer with one scheme, but the practice splits it "
+                                    r"\(\S+q_proj is W8A8_DYNAMIC; \S+k_proj is FLOAT\); include or exclude "
+                                    r"b_proj, f_a_proj, g_proj, k_proj, q_proj, v_proj together, or serve on other "
+                                    r"layouts \(spec\.serving\)"),
+    "unknown_serving_layout": (unknown_serving_layout, r"spec\.serving: unknown serving layout 'vllm-ascend-9'; the "
+                                                       r"known ones are vllm-ascend-0\.23, vllm-ascend-0\.26rc, "
+                                                       r"vllm-0\.33"),
+    "shared_experts_w4a8_per_channel": (shared_experts_w4a8_per_channel,
+                                        r"spec\.process: \S+\.shared_experts\.\w+ would be W4A8_DYNAMIC per channel, "
+                                        r"which vllm-ascend serves for routed experts only \(its W4A8 linear is "
+                                        r"weight-only and per group\); include it in a W8A8_DYNAMIC entry"),
     "huge_calibration_image": (huge_calibration_image, r"index\.jsonl:2: image 'big\.png' is 20000x20000 = 400 M "
                                                        r"pixels, above the 89 M pixel limit"),
     "save_parent_is_a_file": (save_parent_is_a_file, r"--save_path .*plain_file/out: cannot create .*plain_file"),

@@ -24,9 +24,11 @@ from msmodelslim.formats.ascendv1 import quantize_summary
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.base import Unit
 from msmodelslim.model.common.hf_adapter import HFModelAdapter
-from msmodelslim.model.kimi_k3 import fa3
+from msmodelslim.model.kimi_k3 import fa3, serving
 from msmodelslim.model.kimi_k3.layout import BLOCK_KINDS, KimiLayout
 from msmodelslim.model.kimi_k3.patches import kimi_patches
+from msmodelslim.model.kimi_k3.quarot import PROJECTOR_ROTATION
+from msmodelslim.quant.modules import append_output_linear, remove_output_linear
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self.torch_kernels_on_cuda = torch_kernels_on_cuda
         self._processor: Any = None
         self._fa3_attentions: list[str] | None = None
+        self.serving_layouts: tuple[str, ...] = serving.LAYOUTS  # serve_on narrows them
         super().__init__(model_path, trust_remote_code, dist, dtype)
 
     def check_built_config(self) -> None:
@@ -123,9 +126,17 @@ class KimiK3ModelAdapter(HFModelAdapter):
 
     # --- what the serving engine fuses and looks up ----------------------------------------------------------
     def fused_groups(self) -> list[tuple[str, list[str]]]:
-        from msmodelslim.model.kimi_k3.serving import fused_groups
+        return serving.fused_groups([name for _, name in self.linear_names()], self.serving_layouts)
 
-        return fused_groups([name for _, name in self.linear_names()])
+    def serve_on(self, layouts: list[str] | None) -> None:
+        unknown = [layout for layout in layouts or () if layout not in serving.LAYOUTS]
+        if unknown:
+            raise UserError(f"spec.serving: unknown serving layout {shown(unknown[0])}; the known ones are "
+                            f"{', '.join(serving.LAYOUTS)}")
+        self.serving_layouts = tuple(layouts) if layouts else serving.LAYOUTS
+
+    def fused_by(self, group: str) -> str:
+        return "serving layout " + " and ".join(serving.fusing_layouts(group, self.serving_layouts))
 
     def lookup_aliases(self, name: str) -> list[str]:
         return self.layout.lookup_aliases(name)
@@ -173,8 +184,19 @@ class KimiK3ModelAdapter(HFModelAdapter):
                                            lambda name: should_inject(self.checkpoint_name(unit, name)),
                                            returns_weights=self.layout.is_native)
 
+    def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+        """As HFModelAdapter's; an output whose residual stream is rotated carries the projector's rotation
+        (`mm_projector.rot_proj`, see quarot.vision_plan), applied after the projector as vllm-ascend applies it."""
+        if unit.kind == "vision" and reader is not None and f"{PROJECTOR_ROTATION}.weight" in reader:
+            hidden = self.text_config.hidden_size  # a meta slot in the skeleton, filled (strictly) by the load
+            append_output_linear(self.model.mm_projector, PROJECTOR_ROTATION.rsplit(".", 1)[1],
+                                 torch.empty(hidden, hidden, device="meta"))
+        return super().load_unit(unit, device, reader)
+
     def free_unit(self, unit: Unit, module: nn.Module) -> None:
         fa3.remove_fa3_points(module)  # the skeleton is shared: a later load starts from the checkpoint's own module
+        if unit.kind == "vision":
+            remove_output_linear(module.mm_projector, PROJECTOR_ROTATION.rsplit(".", 1)[1])
         module.to("meta")
 
     # --- calibration samples ---------------------------------------------------------------------------------

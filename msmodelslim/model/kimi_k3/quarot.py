@@ -12,7 +12,9 @@ from __future__ import annotations
 from torch import nn
 
 from msmodelslim.model.base import Unit
-from msmodelslim.model.maps import KV_LORA, LATENT, MLA_V, FuseNorm, QuaRotPlan, Rotate, Span
+from msmodelslim.model.maps import KV_LORA, LATENT, MLA_V, AppendRotation, FuseNorm, QuaRotPlan, Rotate, Span
+
+PROJECTOR_ROTATION = "mm_projector.rot_proj"  # the name vllm-ascend's Kimi-K3 class gives the stored rotation
 
 
 def quarot_plan(unit: Unit, module: nn.Module) -> QuaRotPlan:
@@ -37,11 +39,13 @@ def quarot_plan(unit: Unit, module: nn.Module) -> QuaRotPlan:
 def vision_plan(module: nn.Module) -> QuaRotPlan:
     """The projector writes the image tokens into the residual stream. A projector ending in a linear (Kimi-K2.5's
     patchmerger) rotates its output rows; Kimi-K3's patchmergerv2 ends in an RMSNorm, whose weight acts on the
-    unrotated channels: RMSNorm(u) diag(w) Q is no RMSNorm of any rotated u, so no stored weight makes it exact."""
+    unrotated channels: RMSNorm(u) diag(w) Q is no RMSNorm of any rotated u, so no stored weight makes it exact.
+    There the rotation is a stored linear after the norm, `mm_projector.rot_proj` [hidden, hidden], which
+    vllm-ascend's Kimi-K3 class applies when the checkpoint carries it (`models/kimi_k3.py:1694-1711`, #14231)."""
     projector = module.mm_projector
     if getattr(projector, "post_norm", None) is not None:
-        return QuaRotPlan(hidden_blocker="Kimi-K3's projector ends in an RMSNorm (mm_projector.post_norm), so the "
-                                         "image tokens cannot enter a rotated residual stream")
+        return QuaRotPlan(append=[AppendRotation("mm_projector", PROJECTOR_ROTATION.rsplit(".", 1)[1],
+                                                 projector.post_norm.weight.shape[0])])
     last = "mm_projector.proj.2" if hasattr(projector, "proj") else "mm_projector.linear_2"
     return QuaRotPlan(rotate=[Rotate(last, "out")])
 
