@@ -1,6 +1,7 @@
 """vllm-ascend 0.23.0.post1's own scheme lookup on our outputs: failing lookups / layers looked up, per output and
-vLLM version (the table of issue 14), for every shipped practice of both models (the Ascend 950 and per-group ones
-too, issue 25). Same code as test/consumer (which asserts it on a subset); this prints the numbers.
+consumer class (the table of issue 14), for every shipped practice of both models (the Ascend 950 and per-group ones
+too, issue 25), in each class its practice serves (`spec.serving`; vllm-ascend's own Kimi-K3 class of
+releases/v0.26.0rc for Kimi-K3, issue 32). Same code as test/consumer (which asserts it on a subset); this prints the numbers.
 
     python bench/lookup.py
 """
@@ -18,7 +19,7 @@ sys.path.insert(0, str(ROOT / "test"))
 from consumer import vllm_ascend_cpu as ascend  # noqa: E402
 from consumer.outputs import build_outputs  # noqa: E402
 from consumer.test_vllm_ascend_lookup import lookup_failures  # noqa: E402
-from consumer.vllm_layers import V023, V033  # noqa: E402
+from consumer.vllm_layers import served_specs  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
         outputs = build_outputs(Path(root), generated_checkpoint("tiny"), every_practice=True)
         module = ascend.import_vllm_ascend()
         for (model, quant_type), out in sorted(outputs.items()):
-            for spec in ((V023, V033) if model == "mini" else (V033,)):
+            for spec in served_specs(out, multimodal=model != "mini"):
                 count, failures = lookup_failures(module, out, spec)
                 rows.append({"output": f"{model} {quant_type}", "vllm": spec["version"], "layers": count,
                              "failing": len(failures), "first_failure": failures[0] if failures else None})

@@ -94,6 +94,11 @@ class ModelAdapter(ABC):
         quantization scheme, in any serving layout chosen by `serve_on`. Empty when the engine fuses nothing."""
         return []
 
+    def lookup_groups(self) -> list[tuple[str, list[str]]]:
+        """The fused groups the description names (`<fused layer>.weight`) for lookups that find them in no packed
+        table of the engine's model class."""
+        return self.fused_groups()
+
     def serve_on(self, layouts: list[str] | None) -> None:
         """Fuse as the serving layouts `layouts` do (a practice's `spec.serving`; None: every layout known)."""
         if layouts:

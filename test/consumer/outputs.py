@@ -31,7 +31,7 @@ def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False,
                                           ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
         if not (path / "config.json").is_file():
             continue
-        extra = (*MX_PRACTICES, "w4a8_pergroup") if model == "tiny_k3" or every_practice else ()
+        extra = (*MX_PRACTICES, "w4a8_pergroup", "w4a8_upstream") if model == "tiny_k3" or every_practice else ()
         for quant_type in ("w4a8c8", "w8a8", *extra, *(("w4a8",) if every_practice else ())):
             practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
                                          max_samples=2, max_seq_len=64,

@@ -1,7 +1,7 @@
 """Our AscendV1 outputs loaded by their consumer: vllm-ascend 0.23.0.post1's own scheme lookup
 (`AscendModelSlimConfig.get_quant_method`, run as shipped; only vLLM / torch_npu imports are stubbed) for every
-layer vLLM builds and looks up (test/consumer/vllm_layers.py, vLLM 0.23 and 0.33), on W4A8 and W8A8 outputs of
-kimi-linear-mini and of the tiny Kimi-K3 stand-in.
+layer vLLM builds and looks up (test/consumer/vllm_layers.py: vLLM 0.23 and 0.33, and vllm-ascend's own Kimi-K3
+class of `releases/v0.26.0rc`), on the outputs of kimi-linear-mini and of the tiny Kimi-K3 stand-in.
 
 Reference: the scheme our practice gave the layer's shards (the tensor entries of the description, e.g.
 `gate_proj` + `up_proj` for a `gate_up_proj` layer, `experts.{e}.w{1,2,3}` for the routed experts); expected:
@@ -20,8 +20,8 @@ import pytest
 from msmodelslim.model.kimi_k3.serving import FUSED_RULES
 
 from . import vllm_ascend_cpu as ascend
-from .outputs import MINI
-from .vllm_layers import V023, V033, serving_layers
+from .outputs import MINI, MX_PRACTICES
+from .vllm_layers import V023, V026RC, V033, serving_layers
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
 
@@ -68,8 +68,12 @@ def lookup_failures(vllm_ascend, out: Path, spec: dict) -> tuple[int, list[str]]
     ascend.set_vllm_config("kimi_k3" if multimodal else model_type, config)
     config.packed_modules_mapping = dict(spec["packed_modules_mapping"])  # what vLLM's model class puts there
     if multimodal and "k3_prefix_mapper" in spec:
-        config.apply_vllm_mapper(ascend.WeightsMapper(orig_to_new_prefix=spec["k3_prefix_mapper"]))
-    layers = serving_layers(spec, text, "language_model." if multimodal else "")
+        mapper = ascend.WeightsMapper(orig_to_new_prefix=spec["k3_prefix_mapper"])
+        config.apply_vllm_mapper(mapper)
+        description = mapper.apply_dict(description)  # the reference reads the names the engine looks up
+    vision = spec is V026RC and multimodal  # that class looks the vision tower's linears up too
+    layers = serving_layers(spec, text, "language_model." if multimodal else "",
+                            vision_blocks=config_json["vision_config"]["vt_num_hidden_layers"] if vision else 0)
     failures = []
     for prefix, kind in layers:
         try:
@@ -97,6 +101,13 @@ def test_every_tiny_kimi_k3_text_layer_resolves_to_the_practice_scheme(vllm_asce
     # the stand-in follows vLLM 0.33's Kimi-K3 (latent MoE, q-LoRA MLA with the output gate, full-rank KDA gate)
     count, failures = lookup_failures(vllm_ascend, outputs[("tiny_k3", quant_type)], V033)
     assert count > 30 and failures == [], "\n".join(failures)
+
+
+@pytest.mark.parametrize("quant_type", ["w4a8c8", "w8a8", "w4a8_upstream", "w4a8_pergroup", *MX_PRACTICES])
+def test_every_tiny_kimi_k3_layer_resolves_in_vllm_ascends_own_kimi_k3_class(vllm_ascend, outputs, quant_type):
+    # the layers of releases/v0.26.0rc's AscendKimiK3ForConditionalGeneration (vllm_layers.V026RC), vision included
+    count, failures = lookup_failures(vllm_ascend, outputs[("tiny_k3", quant_type)], V026RC)
+    assert count > 40 and failures == [], "\n".join(failures)
 
 
 def test_a_fallback_output_resolves_every_layer_to_its_mixed_schemes(vllm_ascend, fallback_output):

@@ -1,6 +1,7 @@
 """The layers vLLM builds for Kimi-Linear / Kimi-K3 and looks up in quant_model_description.json: data read off
-vLLM 0.23.0 (`vllm/model_executor/models/kimi_linear.py`) and vLLM 0.33.0 (`vllm/models/kimi_k3/nvidia/model.py`,
-`mla.py`, `kda.py`; `kimi_gdn_linear_attn.py` for Kimi-Linear's KDA), file:line in the comments.
+vLLM 0.23.0 (`vllm/model_executor/models/kimi_linear.py`), vLLM 0.33.0 (`vllm/models/kimi_k3/nvidia/model.py`,
+`mla.py`, `kda.py`; `kimi_gdn_linear_attn.py` for Kimi-Linear's KDA) and vllm-ascend's own Kimi-K3 class of branch
+`releases/v0.26.0rc` (the only consumer that serves Kimi-K3 on Ascend), file:line in the comments.
 
 A row is (prefix template, layer kind, which layers have it, condition): `{lm}` is the language model's prefix
 ("" for KimiLinearForCausalLM, "language_model." inside KimiK3ForConditionalGeneration, model.py:1674-1680), `{i}`
@@ -78,6 +79,66 @@ V033 = {
     ],
 }
 
+V026RC = {
+    "version": "vllm-ascend releases/v0.26.0rc",
+    # vllm-ascend's own Kimi-K3 class (vllm_ascend/models/kimi_k3.py at cf0baa38df; KDA in ops/kimi_kda.py): its
+    # packed_modules_mapping (kimi_k3.py:1261-1266), the same WeightsMapper as vLLM's (:453-459). Its lookup code
+    # (quantization/modelslim_config.py) differs from 0.23.0.post1's only in other models' tables and the MoE class
+    # check, so the 0.23 lookup runs these layers as the branch would.
+    "packed_modules_mapping": {
+        "fused_qkv": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "experts": ["experts.0.w1", "experts.0.w3", "experts.0.w2"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+    },
+    "k3_prefix_mapper": V033["k3_prefix_mapper"],
+    "rows": [
+        ("{lm}model.layers.{i}.self_attn.fused_qkv", "linear", "kda", None),        # kimi_kda.py:179-190
+        ("{lm}model.layers.{i}.self_attn.f_a_proj", "linear", "kda", None),         # the vLLM base class's
+        ("{lm}model.layers.{i}.self_attn.f_b_proj", "linear", "kda", None),         # separate linears (gdn rows
+        ("{lm}model.layers.{i}.self_attn.b_proj", "linear", "kda", None),           # of V023)
+        ("{lm}model.layers.{i}.self_attn.g_proj", "linear", "kda", "full_rank_gate"),  # kimi_kda.py:199-209
+        ("{lm}model.layers.{i}.self_attn.g_a_proj", "linear", "kda", "low_rank_gate"),
+        ("{lm}model.layers.{i}.self_attn.g_b_proj", "linear", "kda", "low_rank_gate"),
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "kda", None),
+        ("{lm}model.layers.{i}.self_attn.fused_qkv_a_proj", "linear", "mla", None),  # kimi_k3.py:829-834 (q-LoRA
+        ("{lm}model.layers.{i}.self_attn.q_b_proj", "linear", "mla", None),          # and the output gate are
+        ("{lm}model.layers.{i}.self_attn.kv_b_proj", "linear", "mla", None),         # required, :810-813)
+        ("{lm}model.layers.{i}.self_attn.g_proj", "linear", "mla", None),            # :851-857
+        ("{lm}model.layers.{i}.self_attn.o_proj", "linear", "mla", None),            # :858-864
+        ("{lm}model.layers.{i}.mlp.gate_up_proj", "linear", "dense", None),          # KimiK3MLP :642-656
+        ("{lm}model.layers.{i}.mlp.down_proj", "linear", "dense", None),
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.gate_up_proj", "linear", "moe", "shared"),  # :745-756
+        ("{lm}model.layers.{i}.block_sparse_moe.shared_experts.down_proj", "linear", "moe", "shared"),
+        ("{lm}model.layers.{i}.block_sparse_moe.routed_expert_down_proj", "linear", "moe", "latent"),  # :723-739,
+        ("{lm}model.layers.{i}.block_sparse_moe.routed_expert_up_proj", "linear", "moe", "latent"),    # ascend only
+        ("{lm}model.layers.{i}.block_sparse_moe.experts", "moe", "moe", None),       # FusedMoE :758-781
+        ("{lm}lm_head", "lm_head", "top", None),                                     # :1276-1281
+        # the vision tower and projector keep the ascend quant config (:478, :514-522): looked up too
+        ("vision_tower.encoder.blocks.{v}.wqkv", "linear", "vision", None),          # :1480-1488
+        ("vision_tower.encoder.blocks.{v}.wo", "linear", "vision", None),            # :1490-1496
+        ("vision_tower.encoder.blocks.{v}.mlp.fc0", "linear", "vision", None),       # :1422-1428
+        ("vision_tower.encoder.blocks.{v}.mlp.fc1", "linear", "vision", None),       # :1430-1436
+        ("mm_projector.linear_1", "linear", "top", None),                            # :1675-1681
+        ("mm_projector.linear_2", "linear", "top", None),                            # :1682-1688
+        # mm_projector.rot_proj is built with quant_config=None (:1694-1700): never looked up
+    ],
+}
+
+# spec.serving's layout names (model/kimi_k3/serving.py) -> the layers of that consumer class
+LAYOUTS = {"vllm-ascend-0.23": V023, "vllm-ascend-0.26rc": V026RC, "vllm-0.33": V033}
+
+
+def served_specs(out, multimodal: bool) -> list[dict]:
+    """The consumer classes an output's practice serves (its copied practice's `spec.serving`, default all) that
+    build this model: vLLM 0.23 has no Kimi-K3 class, vllm-ascend's Kimi-K3 class builds no Kimi-Linear."""
+    import yaml
+
+    practice = yaml.safe_load(next(out.glob("*_best_practice.yaml")).read_text())
+    chosen = practice["spec"].get("serving") or list(LAYOUTS)
+    applies = ("vllm-0.33", "vllm-ascend-0.26rc") if multimodal else ("vllm-ascend-0.23", "vllm-0.33")
+    return [LAYOUTS[name] for name in applies if name in chosen]
+
 
 def model_flags(text_config: dict) -> set[str]:
     """The row conditions a text config satisfies."""
@@ -87,8 +148,7 @@ def model_flags(text_config: dict) -> set[str]:
     flags = {"q_lora"} if q_lora else {"no_q_lora"}
     flags.add({(True, True): "q_lora_gate", (True, False): "q_lora_no_gate",
                (False, True): "no_q_lora_gate", (False, False): "no_q_lora_no_gate"}[(q_lora, gate)])
-    if not lac.get("use_full_rank_gate"):
-        flags.add("low_rank_gate")
+    flags.add("full_rank_gate" if lac.get("use_full_rank_gate") else "low_rank_gate")
     if text_config.get("num_shared_experts"):
         flags.add("shared")
     if text_config.get("routed_expert_hidden_size"):
@@ -105,13 +165,15 @@ def layer_kinds(text_config: dict) -> list[tuple[str, str]]:
             for i in range(int(text_config["num_hidden_layers"]))]
 
 
-def serving_layers(spec: dict, text_config: dict, lm: str) -> list[tuple[str, str]]:
-    """(prefix, kind) of every layer vLLM looks up for this model."""
+def serving_layers(spec: dict, text_config: dict, lm: str, vision_blocks: int = 0) -> list[tuple[str, str]]:
+    """(prefix, kind) of every layer vLLM looks up for this model (`vision_blocks`: the vision tower's blocks, for a
+    model class that looks them up)."""
     flags = model_flags(text_config)
     out = []
     for i, (attn, mlp) in enumerate(layer_kinds(text_config)):
         for template, kind, applies, cond in spec["rows"]:
             if applies in (attn, mlp) and (cond is None or cond in flags):
                 out.append((template.format(lm=lm, i=i), kind))
-    out += [(t.format(lm=lm), k) for t, k, a, _ in spec["rows"] if a == "top"]
+    out += [(t.format(v=v), k) for v in range(vision_blocks) for t, k, a, _ in spec["rows"] if a == "vision"]
+    out += [(t.format(lm=lm), k) for t, k, a, _ in spec["rows"] if a == "top" and (lm or "{lm}" in t)]
     return out

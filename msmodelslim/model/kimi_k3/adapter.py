@@ -100,8 +100,8 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self.torch_kernels_on_cuda = torch_kernels_on_cuda
         self._processor: Any = None
         self._fa3_attentions: list[str] | None = None
-        self.serving_layouts: tuple[str, ...] = serving.LAYOUTS  # serve_on narrows them
         super().__init__(model_path, trust_remote_code, dist, dtype)
+        self.serving_layouts = serving.layouts_of(self.config.model_type)  # serve_on may narrow them
 
     def check_built_config(self) -> None:
         config_file = Path(self.model_path) / "config.json"
@@ -128,12 +128,21 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def fused_groups(self) -> list[tuple[str, list[str]]]:
         return serving.fused_groups([name for _, name in self.linear_names()], self.serving_layouts)
 
+    def lookup_groups(self) -> list[tuple[str, list[str]]]:
+        return serving.fused_groups([name for _, name in self.linear_names()], self.serving_layouts,
+                                    lookup_keys=True)
+
     def serve_on(self, layouts: list[str] | None) -> None:
         unknown = [layout for layout in layouts or () if layout not in serving.LAYOUTS]
         if unknown:
             raise UserError(f"spec.serving: unknown serving layout {shown(unknown[0])}; the known ones are "
                             f"{', '.join(serving.LAYOUTS)}")
-        self.serving_layouts = tuple(layouts) if layouts else serving.LAYOUTS
+        ours = serving.layouts_of(self.config.model_type)
+        foreign = [layout for layout in layouts or () if layout not in ours]
+        if foreign:
+            raise UserError(f"spec.serving: {foreign[0]} has no class for model_type {self.config.model_type}; "
+                            f"its layouts are {', '.join(ours)}")
+        self.serving_layouts = tuple(layouts) if layouts else ours
 
     def fused_by(self, group: str) -> str:
         return "serving layout " + " and ".join(serving.fusing_layouts(group, self.serving_layouts))

@@ -10,7 +10,8 @@ An AscendV1 output is served by vllm-ascend, whose layers come from one of three
   :1252-1283): KDA q/k/v/g/b/f_a as `in_proj_qkvgfab`, MLA q_a + kv_a (+ the output gate) as `fused_qkv_a(_g)_proj`.
 Every layout runs dense and shared MLPs' gate/up as `gate_up_proj` and a MoE's routed experts as one layer
 (vllm-ascend reads one scheme for a FusedMoE, `modelslim_config.py:71-303`). `conv1d` is fused too, but convolutions
-are never quantized. A practice names the layouts its output must serve (`spec.serving`, default all of them).
+are never quantized. A practice names the layouts its output must serve (`spec.serving`, default every layout
+with a class for the model, `layouts_of`).
 
 A rule applies under a parent module that holds its `marker`; the group is every listed member present there.
 """
@@ -30,6 +31,9 @@ class FusedRule:
     members: tuple[str, ...]  # last name components of its shards, in the engine's shard order
     marker: str  # a member whose presence identifies the parent (g_proj alone is ambiguous: KDA or MLA)
     layouts: tuple[str, ...] = LAYOUTS  # the serving layouts that fuse it
+    # the description names it (`<fused layer>.weight`, a lookup-only key) for lookups that find it in no packed
+    # table; vllm-ascend's Kimi-K3 class lists its own groups (kimi_k3.py:1261-1266), so they need none
+    lookup_key: bool = True
 
 
 FUSED_RULES = (
@@ -37,17 +41,27 @@ FUSED_RULES = (
               layouts=("vllm-0.33",)),
     FusedRule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"), marker="q_a_proj",
               layouts=("vllm-0.33",)),  # fused_qkv_a_g_proj when the output gate is there
-    FusedRule("fused_qkv", ("q_proj", "k_proj", "v_proj"), marker="b_proj", layouts=("vllm-ascend-0.26rc",)),
+    FusedRule("fused_qkv", ("q_proj", "k_proj", "v_proj"), marker="b_proj", layouts=("vllm-ascend-0.26rc",),
+              lookup_key=False),
     FusedRule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"), marker="q_a_proj",
-              layouts=("vllm-ascend-0.26rc",)),
+              layouts=("vllm-ascend-0.26rc",), lookup_key=False),
     FusedRule("gate_up_proj", ("gate_proj", "up_proj"), marker="gate_proj"),
 )
+
+
+def layouts_of(model_type: str) -> tuple[str, ...]:
+    """The layouts with a class for a model of config.json's `model_type`: vLLM 0.23 has no Kimi-K3 class, and
+    vllm-ascend's Kimi-K3 class builds Kimi-K3 only."""
+    if model_type == "kimi_k3":
+        return ("vllm-ascend-0.26rc", "vllm-0.33")
+    return ("vllm-ascend-0.23", "vllm-0.33")
 _EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.w[123]$")
 
 
-def fused_groups(linear_names: list[str], layouts: Collection[str] = LAYOUTS) -> list[tuple[str, list[str]]]:
+def fused_groups(linear_names: list[str], layouts: Collection[str] = LAYOUTS,
+                 lookup_keys: bool = False) -> list[tuple[str, list[str]]]:
     """(`<parent>.<fused name>`, shard names) of every fused group among `linear_names` (serving names) in any of
-    `layouts`."""
+    `layouts` (`lookup_keys`: only those the description names)."""
     by_parent: dict[str, set[str]] = {}
     experts: dict[str, list[str]] = {}
     for name in linear_names:
@@ -56,7 +70,7 @@ def fused_groups(linear_names: list[str], layouts: Collection[str] = LAYOUTS) ->
         match = _EXPERT.match(name)
         if match:
             experts.setdefault(match["moe"], []).append(name)
-    rules = [rule for rule in FUSED_RULES if set(rule.layouts) & set(layouts)]
+    rules = [rule for rule in FUSED_RULES if set(rule.layouts) & set(layouts) and (rule.lookup_key or not lookup_keys)]
     groups = []
     for parent, leaves in sorted(by_parent.items()):
         for rule in rules:

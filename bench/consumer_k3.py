@@ -1,0 +1,88 @@
+"""Acceptance on the real consumer: every shipped Kimi-K3 practice's output of the tiny Kimi-K3 (and of a bounded-gate
+tiny Kimi-K3), loaded by vllm-ascend's own `AscendKimiK3ForConditionalGeneration` (branch releases/v0.26.0rc, on
+vLLM 0.26.0, CPU, NPU pieces stubbed as that branch's unit tests stub them): its scheme lookups, then its
+`load_weights` (bench/consumer_k3/load.py says what is counted). The consumer lives in a venv of its own:
+
+    bash bench/consumer_k3/setup.sh /work/consumer            # once: fetch github:vllm-project/vllm-ascend first
+    python bench/consumer_k3.py --consumer /work/consumer
+
+Outputs are made as the consumer tests make them (test/consumer/outputs.py: 2 records of <= 64 tokens, min/max
+weights; names, schemes and layouts do not depend on the integers). Expected: 0 failed lookups, 0 unused tensors
+but the MTP layers' (which this class skips), 0 unwritten parameters but the derived conv ones, and rot_proj kept
+exactly when the output carries it. The JSON line lists every output's counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MAKE_CHECKPOINT, ROOT, generated_checkpoint, machine, print_result  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "test"))
+from consumer.outputs import PRACTICES, TINY_GROUP  # noqa: E402
+from runner.dp_helpers import shrunken_practice  # noqa: E402
+
+from msmodelslim.app.quant import QuantArgs, quant  # noqa: E402
+
+BOUNDED_GATE = "text_config.linear_attn_config.gate_lower_bound=-5.0"
+
+
+def output_of(checkpoint: Path, practice: Path, root: Path) -> Path:
+    shrunk = shrunken_practice(practice, root / practice.name, max_samples=2, max_seq_len=64, plain_numerics=True)
+    if "pergroup" in practice.name:  # the tiny experts have 64 inputs
+        shrunk.write_text(shrunk.read_text().replace("group_size: 256", f"group_size: {TINY_GROUP}"))
+    out = root / f"{checkpoint.name}-{practice.stem}"
+    quant(QuantArgs(model_path=str(checkpoint), save_path=str(out), device="cpu", model_type="Kimi-K3",
+                    config_path=str(shrunk), trust_remote_code=True))
+    return out
+
+
+def consumer_load(consumer: Path, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "bench" / "consumer_k3"), str(consumer / "vllm-ascend"), str(consumer / "meta")])}
+    done = subprocess.run([str(consumer / "venv" / "bin" / "python"), str(ROOT / "bench" / "consumer_k3" / "load.py"),
+                           str(out)], capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"output": str(out), "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--consumer", type=Path, required=True, help="the directory bench/consumer_k3/setup.sh made")
+    args = parser.parse_args()
+    if not (args.consumer / "venv" / "bin" / "python").is_file():
+        parser.error(f"{args.consumer}: no consumer venv; run bench/consumer_k3/setup.sh {args.consumer}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-consumer-k3-") as tmp:
+        root = Path(tmp)
+        bounded = root / "Kimi-K3-tiny-bounded-gate"
+        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(bounded), "--seed",
+                        "0", "--set", BOUNDED_GATE], check=True, capture_output=True)
+        cases = [(generated_checkpoint("tiny"), p) for p in sorted(PRACTICES.glob("kimi_k3_*.yaml"))]
+        cases.append((bounded, PRACTICES / "kimi_k3_w4a8.yaml"))
+        for checkpoint, practice in cases:
+            result = consumer_load(args.consumer, output_of(checkpoint, practice, root))
+            result["output"] = f"{checkpoint.name} {practice.stem}"
+            rows.append(result)
+            print(f"{result['output']}: {result.get('error') or ''}"
+                  f"{len(result.get('failed_lookups', []))} failed of {result.get('lookups')} lookups, "
+                  f"{len(result.get('unused_tensors', []))} unused tensors (+{result.get('skipped_mtp_tensors')} MTP), "
+                  f"{len(result.get('unwritten_parameters', []))} unwritten parameters, rot_proj stored "
+                  f"{result.get('rot_proj_stored')} kept {result.get('rot_proj_kept')}", flush=True)
+    ok = all(not r.get("error") and not r["failed_lookups"] and not r["unused_tensors"]
+             and not r["unwritten_parameters"] and r["rot_proj_stored"] == r["rot_proj_kept"] for r in rows)
+    print_result({"bench": "consumer_k3", "machine": machine(), "consumer": "vllm-ascend releases/v0.26.0rc on "
+                  "vLLM 0.26.0 (CPU)", "outputs": len(rows), "all_accepted": ok, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
