@@ -45,7 +45,8 @@ def output_of(checkpoint: Path, practice: Path, root: Path) -> Path:
 
 
 def consumer_load(consumer: Path, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    # a clean environment: this process's runs leave torch.distributed variables behind, which vLLM would read
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "bench" / "consumer_k3"), str(consumer / "vllm-ascend"), str(consumer / "meta")])}
     done = subprocess.run([str(consumer / "venv" / "bin" / "python"), str(ROOT / "bench" / "consumer_k3" / "load.py"),
                            str(out)], capture_output=True, text=True, env=env, timeout=900)
@@ -73,7 +74,7 @@ def main() -> None:
             result = consumer_load(args.consumer, output_of(checkpoint, practice, root))
             result["output"] = f"{checkpoint.name} {practice.stem}"
             rows.append(result)
-            print(f"{result['output']}: {result.get('error') or ''}"
+            print(f"{result['output']}: {result['error'] + '; ' if result.get('error') else ''}"
                   f"{len(result.get('failed_lookups', []))} failed of {result.get('lookups')} lookups, "
                   f"{len(result.get('unused_tensors', []))} unused tensors (+{result.get('skipped_mtp_tensors')} MTP), "
                   f"{len(result.get('unwritten_parameters', []))} unwritten parameters, rot_proj stored "

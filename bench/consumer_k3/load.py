@@ -9,7 +9,8 @@ Runs in the consumer venv (bench/consumer_k3/setup.sh); prints one JSON line:
 - `unused_tensors`: stored tensors that reached no parameter (the MTP layers `layers.{N + k}`, which this class
   skips, are counted apart as `skipped_mtp_tensors`);
 - `unwritten_parameters`: parameters no tensor wrote (the KDA conv's `packed_conv_weights`, which the class derives
-  from the three conv weights after loading, counted apart as `derived_parameters`);
+  from the three conv weights after loading, counted apart as `derived_parameters`, and the FA3 Q scale the method
+  never reads, as `unread_parameters`);
 - `rot_proj_kept`: whether `mm_projector.rot_proj` survived the load (the class drops it when no tensor wrote it).
 """
 
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from collections import defaultdict
 
 import stubs  # noqa: F401  (before torch, vllm and vllm_ascend)
@@ -42,6 +44,9 @@ from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel  #
 from vllm_ascend.models.kimi_k3 import AscendKimiK3ForCausalLM, AscendKimiK3ForConditionalGeneration  # noqa: E402
 
 DERIVED = re.compile(r"\.q_conv1d\.packed_conv_weights$")
+# made by the FA3 method for every point, read for the K cache only (methods/kv_c8.py:38-72): a per-token Q
+# (the fp8 practice) writes no Q scale
+UNREAD = re.compile(r"\.fa_q\.(scale|offset)$")
 
 
 def build(out: str):
@@ -88,6 +93,7 @@ def main() -> None:
     try:
         model, config, asked, failed = build(out)
     except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
         result.update(error=f"build: {type(exc).__name__}: {exc}")
         print(json.dumps(result))
         return
@@ -124,12 +130,14 @@ def main() -> None:
     unused = [k for k in stored if k not in wrote]
     is_mtp = [k for k in unused if (m := mtp.search(k)) and int(m.group(1)) >= n]
     written = {p for ps in wrote.values() for p in ps}
-    unwritten = [p for p in params if p not in written]
+    unwritten = [p for p in dict(model.named_parameters()) if p not in written]  # rot_proj is gone when unwritten
     result.update(
         lookups=len(asked), failed_lookups=failed, tensors=len(stored),
         unused_tensors=[k for k in unused if k not in is_mtp], skipped_mtp_tensors=len(is_mtp),
-        parameters=len(params), unwritten_parameters=[p for p in unwritten if not DERIVED.search(p)],
+        parameters=len(params),
+        unwritten_parameters=[p for p in unwritten if not DERIVED.search(p) and not UNREAD.search(p)],
         derived_parameters=len([p for p in unwritten if DERIVED.search(p)]),
+        unread_parameters=len([p for p in unwritten if UNREAD.search(p)]),
         rot_proj_stored=any(k.startswith("mm_projector.rot_proj.") for k in stored),
         rot_proj_kept=hasattr(model.mm_projector, "rot_proj"))
     print(json.dumps(result))

@@ -77,8 +77,12 @@ def after_vllm_ascend_import() -> None:
     for name in ("_npu_flash_attention", "_npu_paged_attention_splitfuse", "_npu_reshape_and_cache",
                  "npu_scatter_pa_kv_cache", "npu_gather_pa_kv_cache", "npu_fused_infer_attention_score",
                  "_npu_fused_infer_attention_score_get_max_workspace", "npu_moe_gating_top_k_softmax",
-                 "npu_quant_matmul", "npu_rms_norm", "npu_swiglu", "npu_convert_weight_to_int4pack"):
+                 "npu_quant_matmul", "npu_rms_norm", "npu_swiglu", "npu_convert_weight_to_int4pack",
+                 # a torch_npu new enough for the MX schemes (Ascend 950)
+                 "npu_dynamic_mx_quant", "npu_grouped_matmul_swiglu_quant_v2"):
         setattr(torch_npu, name, MagicMock())
+    torch_npu.float8_e8m0fnu = torch.float8_e8m0fnu
+    torch_npu.float4_e2m1fn_x2 = torch.float4_e2m1fn_x2
     adapt_patch()
     adapt_patch(True)
     register_ascend_customop()
