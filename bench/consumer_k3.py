@@ -7,7 +7,8 @@ vLLM 0.26.0, CPU, NPU pieces stubbed as that branch's unit tests stub them): its
     python bench/consumer_k3.py --consumer /work/consumer
 
 Outputs are made as the consumer tests make them (test/consumer/outputs.py: 2 records of <= 64 tokens, min/max
-weights; names, schemes and layouts do not depend on the integers). Expected: 0 failed lookups, 0 unused tensors
+weights; names, schemes and layouts do not depend on the integers), plus `kimi_k3_w4a8` of a bounded-gate tiny
+Kimi-K3 and the per-group practice (groups of 64) of a tiny Kimi-K3 whose expert linears are one and two groups wide. Expected: 0 failed lookups, 0 unused tensors
 but the MTP layers' (which this class skips), 0 unwritten parameters but the derived conv ones, and rot_proj kept
 exactly when the output carries it. The JSON line lists every output's counts.
 """
@@ -32,12 +33,14 @@ from runner.dp_helpers import shrunken_practice  # noqa: E402
 from msmodelslim.app.quant import QuantArgs, quant  # noqa: E402
 
 BOUNDED_GATE = "text_config.linear_attn_config.gate_lower_bound=-5.0"
+MIXED_WIDTHS = "text_config.moe_intermediate_size=128"  # expert w2 twice as wide as w1/w3
 
 
-def output_of(checkpoint: Path, practice: Path, root: Path) -> Path:
-    shrunk = shrunken_practice(practice, root / practice.name, max_samples=2, max_seq_len=64, plain_numerics=True)
+def output_of(checkpoint: Path, practice: Path, root: Path, group: int = TINY_GROUP) -> Path:
+    shrunk = shrunken_practice(practice, root / f"{checkpoint.name}-{practice.name}", max_samples=2, max_seq_len=64,
+                               plain_numerics=True)
     if "pergroup" in practice.name:  # the tiny experts have 64 inputs
-        shrunk.write_text(shrunk.read_text().replace("group_size: 256", f"group_size: {TINY_GROUP}"))
+        shrunk.write_text(shrunk.read_text().replace("group_size: 256", f"group_size: {group}"))
     out = root / f"{checkpoint.name}-{practice.stem}"
     quant(QuantArgs(model_path=str(checkpoint), save_path=str(out), device="cpu", model_type="Kimi-K3",
                     config_path=str(shrunk), trust_remote_code=True))
@@ -65,13 +68,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-consumer-k3-") as tmp:
         root = Path(tmp)
-        bounded = root / "Kimi-K3-tiny-bounded-gate"
-        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(bounded), "--seed",
-                        "0", "--set", BOUNDED_GATE], check=True, capture_output=True)
-        cases = [(generated_checkpoint("tiny"), p) for p in sorted(PRACTICES.glob("kimi_k3_*.yaml"))]
-        cases.append((bounded, PRACTICES / "kimi_k3_w4a8.yaml"))
-        for checkpoint, practice in cases:
-            result = consumer_load(args.consumer, output_of(checkpoint, practice, root))
+        variants = {}
+        for name, setting in (("bounded-gate", BOUNDED_GATE), ("mixed-widths", MIXED_WIDTHS)):
+            variants[name] = root / f"Kimi-K3-tiny-{name}"
+            subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(variants[name]),
+                            "--seed", "0", "--set", setting], check=True, capture_output=True)
+        cases = [(generated_checkpoint("tiny"), p, TINY_GROUP) for p in sorted(PRACTICES.glob("kimi_k3_*.yaml"))]
+        cases.append((variants["bounded-gate"], PRACTICES / "kimi_k3_w4a8.yaml", TINY_GROUP))
+        # per group of 64: w1/w3 read 64 inputs (one group, issue 32's case (a)), w2 reads 128 (two)
+        cases.append((variants["mixed-widths"], PRACTICES / "kimi_k3_w4a8_pergroup.yaml", 64))
+        for checkpoint, practice, group in cases:
+            result = consumer_load(args.consumer, output_of(checkpoint, practice, root, group))
             result["output"] = f"{checkpoint.name} {practice.stem}"
             rows.append(result)
             print(f"{result['output']}: {result['error'] + '; ' if result.get('error') else ''}"

@@ -39,7 +39,6 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader 
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
-
 from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel  # noqa: E402
 from vllm_ascend.models.kimi_k3 import AscendKimiK3ForCausalLM, AscendKimiK3ForConditionalGeneration  # noqa: E402
 
@@ -125,7 +124,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"load_weights: {type(exc).__name__}: {exc}"
     text = config.model_config.hf_config.text_config
-    mtp = re.compile(rf"\.layers\.(\d+)\.")
+    mtp = re.compile(r"\.layers\.(\d+)\.")
     n = text.num_hidden_layers
     unused = [k for k in stored if k not in wrote]
     is_mtp = [k for k in unused if (m := mtp.search(k)) and int(m.group(1)) >= n]

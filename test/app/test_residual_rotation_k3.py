@@ -85,7 +85,7 @@ def test_the_upstream_selection_keeps_kda_side_projections_and_output_projection
     kda = "language_model.model.layers.0.self_attn."
     for name in ("b_proj", "f_a_proj", "f_b_proj", "g_proj", "o_proj"):
         assert description[f"{kda}{name}.weight"] == "FLOAT", name
-    for name in ("q_proj", "k_proj", "v_proj", "fused_qkv"):  # vllm-ascend's fused_qkv: one scheme for q/k/v
+    for name in ("q_proj", "k_proj", "v_proj"):  # vllm-ascend's fused_qkv: one scheme for q/k/v
         assert description[f"{kda}{name}.weight"] == "W8A8_DYNAMIC", name
     assert not any("in_proj_qkvgfab" in k for k in description)  # vLLM 0.33's fusion is not this output's layout
     assert description["language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight"] \

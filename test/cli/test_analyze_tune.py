@@ -26,14 +26,16 @@ OUTLIER = "language_model.model.layers.2.self_attn.o_proj"
 
 def minmax_everywhere(source: str, dest: Path, **spec) -> Path:
     """The shipped practice `source` cut to one min/max W4A8_DYNAMIC entry over every linear it quantizes (no
-    rotation, no smoothing: what a planted outlier should stand out of)."""
+    rotation, no smoothing: what a planted outlier should stand out of), per group of 32 inputs (vllm-ascend serves
+    W4A8 outside the routed experts per group only)."""
     practice = yaml.safe_load((REPO / "lab_practice" / "kimi_k3" / source).read_text())
     quantizers = [s for s in practice["spec"]["process"] if s["type"] == "linear_quant"]
     include = [g for q in quantizers for g in q["include"]]
     step = {"type": "linear_quant", "include": include,
             "exclude": sorted({g for q in quantizers for g in q.get("exclude", [])} - set(include)),
             "qconfig": {"act": {"scope": "per_token", "dtype": "int8"},
-                        "weight": {"scope": "per_channel", "dtype": "int4", "method": "minmax"}}}
+                        "weight": {"scope": "per_group", "ext": {"group_size": 32}, "dtype": "int4",
+                                   "method": "minmax"}}}
     practice["spec"].update(process=[step], **spec)
     dest.write_text(yaml.safe_dump(practice))
     return dest
@@ -117,16 +119,17 @@ def test_bad_analyze_input_is_one_line_and_writes_nothing(tiny_k3_checkpoint, tm
 
 @pytest.mark.skipif(not (MINI / "config.json").is_file(), reason=f"{MINI} not available")
 def test_tune_falls_back_until_the_target_holds_and_publishes_that_round(tmp_path, capsys):
-    """kimi-linear-mini, min/max W4A8_DYNAMIC on every linear of the shipped practice (round 0 about +5 % on these
-    windows); --step 100 moves every quantized linear to W8A8 in round 1, which meets a 2 % target."""
+    """kimi-linear-mini, min/max W4A8_DYNAMIC per group of 32 on every linear of the shipped practice (round 0
+    about +0.5 % on these windows); --step 100 moves every quantized linear to W8A8 in round 1, which meets a 0.3 %
+    target."""
     minmax_everywhere("kimi_linear_w4a8.yaml", tmp_path / "p.yaml", max_samples=4, max_seq_len=128)
     save = tmp_path / "tuned"
     code = main(["tune", "--model_path", str(MINI), "--save_path", str(save), "--device", "cpu", "--model_type",
                  "Kimi-Linear", "--config_path", str(tmp_path / "p.yaml"), "--dataset", str(TEXT),
-                 "--target_ppl_delta", "2", "--step", "100", "--max_rounds", "3", "--seq_len", "256",
+                 "--target_ppl_delta", "0.3", "--step", "100", "--max_rounds", "3", "--seq_len", "256",
                  "--max_windows", "4", "--log_level", "warning"])
     out = capsys.readouterr().out
-    assert code == 0 and "target reached (2 %) in 2 round(s)" in out, out
+    assert code == 0 and "target reached (0.3 %) in 2 round(s)" in out, out
     assert "round 1:" in out and "<- published" in out.splitlines()[2]
     description = json.loads((save / "quant_model_description.json").read_text())
     assert "W4A8_DYNAMIC" not in description.values() and "W8A8_DYNAMIC" in description.values()
