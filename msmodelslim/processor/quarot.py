@@ -203,9 +203,9 @@ class QuaRotProcessor(Processor):
         for a in plan.append:
             if a.space in spaces:
                 owner = modules[a.module]
-                dtype = next(owner.parameters()).dtype
-                q = self.rotation(a.space, a.size, next(owner.parameters()).device)
-                append_output_linear(owner, a.name, q.T.to(dtype).contiguous())
+                param = next(owner.parameters())  # W = Q^T in the writer's dtype, as the engine stores it
+                append_output_linear(owner, a.name,
+                                     self.rotation(a.space, a.size, param.device).T.to(param.dtype).contiguous())
         if self.config.online_down:
             for name in plan.online:
                 mod = get(name)

@@ -196,16 +196,15 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
         """As HFModelAdapter's; an output whose residual stream is rotated carries the projector's rotation
         (`mm_projector.rot_proj`, see quarot.vision_plan), applied after the projector as vllm-ascend applies it."""
-        if unit.kind == "vision" and reader is not None and f"{PROJECTOR_ROTATION}.weight" in reader:
+        if unit.kind == "vision" and reader is not None and f"mm_projector.{PROJECTOR_ROTATION}.weight" in reader:
             hidden = self.text_config.hidden_size  # a meta slot in the skeleton, filled (strictly) by the load
-            append_output_linear(self.model.mm_projector, PROJECTOR_ROTATION.rsplit(".", 1)[1],
-                                 torch.empty(hidden, hidden, device="meta"))
+            append_output_linear(self.model.mm_projector, PROJECTOR_ROTATION, torch.empty(hidden, hidden, device="meta"))
         return super().load_unit(unit, device, reader)
 
     def free_unit(self, unit: Unit, module: nn.Module) -> None:
         fa3.remove_fa3_points(module)  # the skeleton is shared: a later load starts from the checkpoint's own module
         if unit.kind == "vision":
-            remove_output_linear(module.mm_projector, PROJECTOR_ROTATION.rsplit(".", 1)[1])
+            remove_output_linear(module.mm_projector, PROJECTOR_ROTATION)
         module.to("meta")
 
     # --- calibration samples ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import nn
 from msmodelslim.model.base import Unit
 from msmodelslim.model.maps import KV_LORA, LATENT, MLA_V, AppendRotation, FuseNorm, QuaRotPlan, Rotate, Span
 
-PROJECTOR_ROTATION = "mm_projector.rot_proj"  # the name vllm-ascend's Kimi-K3 class gives the stored rotation
+PROJECTOR_ROTATION = "rot_proj"  # vllm-ascend's name of the stored rotation after `mm_projector`
 
 
 def quarot_plan(unit: Unit, module: nn.Module) -> QuaRotPlan:
@@ -44,8 +44,7 @@ def vision_plan(module: nn.Module) -> QuaRotPlan:
     vllm-ascend's Kimi-K3 class applies when the checkpoint carries it (`models/kimi_k3.py:1694-1711`, #14231)."""
     projector = module.mm_projector
     if getattr(projector, "post_norm", None) is not None:
-        return QuaRotPlan(append=[AppendRotation("mm_projector", PROJECTOR_ROTATION.rsplit(".", 1)[1],
-                                                 projector.post_norm.weight.shape[0])])
+        return QuaRotPlan(append=[AppendRotation("mm_projector", PROJECTOR_ROTATION, projector.post_norm.weight.shape[0])])
     last = "mm_projector.proj.2" if hasattr(projector, "proj") else "mm_projector.linear_2"
     return QuaRotPlan(rotate=[Rotate(last, "out")])
 
