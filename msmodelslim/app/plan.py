@@ -9,7 +9,8 @@ written, no weight is read: the model is built on the meta device. The plan repo
 - the tensors that stay FLOAT;
 - the output: tensor bytes per rank (rank 0 writes the replicated tensors, each rank its routed experts) cut into
   shards as the saver cuts them (at `part_file_size` and at the end of every unit);
-- per rank, device and host memory for the unit of largest cost, from the memory model of docs/npu.md;
+- per rank, device and host memory for the unit of largest cost, from the memory model of docs/npu.md, and the
+  samples' state each rank's host keeps between units (it grows with the calibration tokens);
 - the calibration tokens, and a time estimate where `plan_records.json` holds a benchmark of this device and layer
   size (BENCHMARKS.md), otherwise that no record exists.
 """
@@ -31,7 +32,7 @@ RECORDS_FILE = Path(__file__).with_name("plan_records.json")
 GIB = 1024**3
 GPTQ_WORK = 4  # a GPTQ batch holds about this many times GPTQ_BATCH_BYTES (Hessians, factors, weights): npu.md
 HOST_BASE_GIB = 2.0  # a rank's interpreter, torch, the tokenizer and the meta model
-ACTIVATION_COPIES = 3  # per calibration token: the unit's input, its output and the attention-residual blocks
+ACTIVATION_COPIES = 3  # per token of a micro-batch on the device: the unit's input, its output, the residual blocks
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def shards(sizes: list[int], limit: int) -> list[int]:
 
 
 def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
-               tokens: int, samples: int) -> dict[str, Any]:
+               tokens: int, samples: int, largest_sample: int = 0) -> dict[str, Any]:
     from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, planned_configs
     from msmodelslim.processor.save.ascendv1_saver import quant_tensor_bytes, source_float_dtypes
 
@@ -135,7 +136,8 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
     rank_shards += [[exp // world for exp in experts if exp] for _ in range(world - 1)]
     rank_bytes = [sum(r) for r in rank_shards]
 
-    memory = _memory(units, linears, unit_weights, world, tokens, GPTQ_BATCH_BYTES, limit)
+    memory = _memory(units, linears, unit_weights, world, largest_sample, GPTQ_BATCH_BYTES, limit)
+    memory["host_state"] = host_state(adapter, tokens, world)
     return {
         "units": [{"name": u.name, "kind": u.kind} for u in units],
         "linear_quant": selections,
@@ -150,11 +152,12 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
 
 
 def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tuple[int, int]], world: int,
-            tokens: int, gptq_batch: int, part_bytes: int) -> dict[str, Any]:
+            sample_tokens: int, gptq_batch: int, part_bytes: int) -> dict[str, Any]:
     """docs/npu.md's model per unit: weights (bf16) + the GPTQ readers' float32 Hessians (one per input: readers
-    of one module with one width share it; the int64 sums they come from are freed as each is built) + a GPTQ
-    batch's working set + the calibration activations. Host: the Cholesky factors of one batch in float64, the
-    saver's buffered shard, and the process itself."""
+    of one module with one width share it) + a GPTQ batch's working set + the activations of one micro-batch (the
+    largest, `sample_tokens`: the rest of the samples' state waits on the host, `host_state`). Host: the Cholesky
+    factors of one batch in float64, the saver's buffered shard, and the process itself; the samples' state is
+    `host_state`, apart."""
     worst = None
     for unit in units:
         rep, exp = weights[unit.name]
@@ -166,7 +169,7 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
         hessians = sum(4 * d * d / (world if expert else 1) for (_, d), expert in inputs.items())
         batch = min(hessians, GPTQ_WORK * gptq_batch) if hessians else 0
         hidden = max((lp.in_features for lp in linears if lp.unit.name == unit.name), default=0)
-        activations = ACTIVATION_COPIES * 2 * hidden * math.ceil(tokens / world)
+        activations = ACTIVATION_COPIES * 2 * hidden * sample_tokens
         device = w + hessians + batch + activations
         if worst is None or device > worst["device_bytes"]:
             host = 2 * min(hessians, gptq_batch) + part_bytes + HOST_BASE_GIB * GIB
@@ -178,6 +181,21 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
     worst["host_gib"] = round(worst["host_bytes"] / GIB, 2)
     worst["model"] = "docs/npu.md, Memory per rank"
     return worst
+
+
+def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
+    """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
+    a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
+    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
+    outputs replace its inputs. It grows with the calibration tokens; nothing spills it to disk yet."""
+    text = adapter.text_config
+    units = adapter.units()
+    block = getattr(text, "attn_res_block_size", None)
+    blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
+    mtp = any(u.kind == "mtp" for u in units)
+    per_token = (1 + blocks + int(mtp)) * int(text.hidden_size) * adapter.dtype.itemsize + 8
+    return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
+            "attn_res_blocks": blocks, "mtp_inputs": mtp}
 
 
 def _expert_coverage(adapter: Any, linears: list[LinearPlan], tokens: int) -> dict[str, Any] | None:
@@ -232,6 +250,11 @@ def describe(plan: dict[str, Any]) -> str:
     if mem:
         lines.append(f"memory per rank, largest unit {mem['unit']}: device ~{_size(mem['device_bytes'])}, host "
                      f"~{_size(mem['host_bytes'])} ({mem['model']})")
+        state = mem["host_state"]
+        parts = ["hidden states"] + ([f"{state['attn_res_blocks']} attention-residual blocks"]
+                                     if state["attn_res_blocks"] else []) + (["MTP inputs"] if state["mtp_inputs"] else [])
+        lines.append(f"samples' state per rank, on the host: ~{_size(state['bytes'])} ({state['bytes_per_token']} "
+                     f"bytes per token: {', '.join(parts)}; twice while a unit replaces it)")
     cal = plan["calibration"]
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
     cov = cal.get("expert_coverage")

@@ -609,8 +609,9 @@ def plan(args: QuantArgs) -> dict[str, Any]:
         samples, processors = prepare_run(adapter, checked.records, spec)
         tokens = sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s)
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
+        largest = max((int(s["input_ids"].numel()) for s in samples if "input_ids" in s), default=0)
         result = build_plan(adapter, processors, save_config, checked.device.world_size, checked.device.type,
-                            tokens, len(samples))
+                            tokens, len(samples), largest)
     finally:
         adapter.close()
     result["practice"] = str(checked.chosen.path)

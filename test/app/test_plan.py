@@ -134,3 +134,31 @@ def test_a_missing_shard_fails_the_plan_with_the_run_s_line(tiny_k3_checkpoint, 
     planned_error = _error(lambda: plan(a))
     assert _error(lambda: quant(a)) == planned_error
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkpoint):
+    # reference: the bytes of the state one token leaves after the last decoder unit of a real layer-wise forward
+    # (hidden state, the finished attention-residual blocks, the MTP input embeddings, the token id), exact
+    import torch
+
+    from msmodelslim.app.plan import host_state
+    from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
+
+    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
+        tokens = 40
+        state = {"input_ids": torch.randint(10, 1000, (1, tokens))}
+        last = [u for u in adapter.units() if u.kind == "decoder"][-1]
+        for unit in adapter.units():
+            if unit.kind == "vision":
+                continue
+            module = adapter.load_unit(unit, torch.device("cpu"))
+            state = adapter.forward_unit(unit, module, state)
+            adapter.free_unit(unit, module)
+            if unit is last:
+                break
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)] + list(state.get("attn_res_blocks", []))
+        carried = sum(t.numel() * t.element_size() for t in tensors)
+        estimate = host_state(adapter, tokens, world=2)
+    assert estimate["attn_res_blocks"] == len(state["attn_res_blocks"]) > 0 and estimate["mtp_inputs"]
+    assert estimate["bytes_per_token"] * tokens == carried
+    assert estimate["bytes"] == 2 * estimate["bytes_per_token"] * (tokens // 2)  # per rank, held twice
