@@ -56,6 +56,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--calibrate-all-experts", action="store_true",
+                   help="the practice with spec.calibrate_all_experts: every routed expert computes on every token")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     rows = []
@@ -63,6 +65,8 @@ def main() -> None:
         folder, records = long_record_set(tokens, args.max_seq_len, images=False)
         practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
                                      dataset=folder)
+        if args.calibrate_all_experts:
+            practice.write_text(practice.read_text().replace("spec:\n", "spec:\n  calibrate_all_experts: true\n", 1))
         run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear")["ranks"][0]
         forward = plain_forward_s(folder, records, args.max_seq_len)
         rows.append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2), "forward_s": round(forward, 3),
@@ -76,7 +80,8 @@ def main() -> None:
     forward_ms = 1000 * (last["forward_s"] - first["forward_s"]) / span
     stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
     print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
-                  "practice": PRACTICE.name, "max_seq_len": args.max_seq_len, "sizes": rows,
+                  "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
+                  "max_seq_len": args.max_seq_len, "sizes": rows,
                   "runner_marginal_ms_per_token": round(runner_ms, 4),
                   "forward_marginal_ms_per_token": round(forward_ms, 4),
                   "ratio": round(runner_ms / forward_ms, 2) if forward_ms > 0 else None, "target_ratio": 3,

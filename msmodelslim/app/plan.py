@@ -208,10 +208,12 @@ def _expert_coverage(adapter: Any, linears: list[LinearPlan], tokens: int) -> di
     top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok", None)
     if not widths or not experts or not top_k:
         return None
-    per_expert = tokens * top_k // experts
+    every_token = bool(getattr(adapter, "all_expert_statistics", False))  # spec.calibrate_all_experts
+    per_expert = tokens if every_token else tokens * top_k // experts
     width = max(widths)
-    return {"tokens_per_expert_even_routing": per_expert, "widest_expert_input": width,
-            "tokens_for_full_rank": -(-width * experts // top_k), "full_rank": per_expert >= width}
+    return {"tokens_per_expert_even_routing": per_expert, "widest_expert_input": width, "all_tokens": every_token,
+            "tokens_for_full_rank": width if every_token else -(-width * experts // top_k),
+            "full_rank": per_expert >= width}
 
 
 def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
@@ -259,7 +261,8 @@ def describe(plan: dict[str, Any]) -> str:
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
     cov = cal.get("expert_coverage")
     if cov:
-        lines.append(f"expert coverage (even routing): ~{cov['tokens_per_expert_even_routing']} tokens per routed "
+        how = "every expert on every token" if cov["all_tokens"] else "even routing"
+        lines.append(f"expert coverage ({how}): ~{cov['tokens_per_expert_even_routing']} tokens per routed "
                      f"expert against inputs {cov['widest_expert_input']} wide: "
                      + ("full-rank Hessians" if cov["full_rank"] else
                         f"rank-deficient Hessians; about {cov['tokens_for_full_rank']} calibration tokens fill them"))

@@ -438,6 +438,9 @@ class Spec(StrictConfig):
     # The serving layouts (model classes of the consumer) the output must load in: which linears run fused, hence
     # with one scheme (model/kimi_k3/serving.py). None: every layout the adapter knows.
     serving: list[str] | None = None
+    # Every routed expert computes on every token in the statistics passes (its Hessian and ranges see all of its
+    # rank's tokens, not the ~top-k / E the router sends it); the layer's output keeps the router's choice.
+    calibrate_all_experts: bool = False
 
     def validate(self) -> None:
         if not self.dataset.strip():

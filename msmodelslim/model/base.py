@@ -6,6 +6,7 @@ for model knowledge as data (QuaRot plans, smoothing subgraphs); the saver asks 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,6 +104,17 @@ class ModelAdapter(ABC):
         """Fuse as the serving layouts `layouts` do (a practice's `spec.serving`; None: every layout known)."""
         if layouts:
             raise UserError(f"spec.serving: {type(self).__name__} knows no serving layouts; leave the key out")
+
+    def calibrate_experts_on_all_tokens(self, on: bool) -> None:
+        """`spec.calibrate_all_experts`: in every statistics pass (`statistics_pass`) each routed expert computes on
+        every token of its rank, while the layer's output keeps the router's choice."""
+        if on:
+            raise UserError(f"spec.calibrate_all_experts: {type(self).__name__} has no routed experts to calibrate")
+
+    def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around each calibration pass that gathers statistics (not the forward that makes the next unit's
+        inputs)."""
+        return contextlib.nullcontext()
 
     def fused_by(self, group: str) -> str:
         """Who runs fused layer `group` as one layer (for messages)."""

@@ -85,7 +85,7 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
 
     handles = [modules[name].register_forward_pre_hook(make_hook(name)) for name in names]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ctx.adapter.statistics_pass():
             ctx.run_samples()
     finally:
         for h in handles:

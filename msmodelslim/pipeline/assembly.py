@@ -22,6 +22,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
     nothing fails here, before any compute (a run and `--plan` both go through this)."""
 
     adapter.serve_on(spec.serving)
+    adapter.calibrate_experts_on_all_tokens(spec.calibrate_all_experts)
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)

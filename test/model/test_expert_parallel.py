@@ -78,3 +78,31 @@ def test_routed_dispatch_equals_a_per_expert_scan_bit_for_bit_and_skips_unrouted
         ref[rows, cols] = expert(x[rows]).float() * w[rows, cols, None]
     with torch.no_grad():
         assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), ref.sum(dim=1))
+
+
+def test_calibrating_all_experts_feeds_every_expert_every_token_and_keeps_the_routed_output():
+    """`all_experts_compute` (spec.calibrate_all_experts): each local expert's hooks see every token, and the block's
+    output is the routed one. Reference: the routed dispatch without the switch; tolerance 1e-5 (a row of a matmul
+    over all tokens may round differently from the same row over the routed ones)."""
+    moe, config = _native_moe()
+    patched = copy.deepcopy(moe)
+    apply_ep_patches(patched, config)
+    _load_fused_into_per_expert(moe, patched)
+    from msmodelslim.model.kimi_k3.ep_patches import all_experts_compute
+
+    x = torch.randn(2, 7, 64)
+    seen = {key: 0 for key in patched.experts}
+    for key, expert in patched.experts.items():
+        expert.w1.register_forward_pre_hook(lambda _m, args, k=key: seen.__setitem__(k, seen[k] + args[0].shape[0]))
+    with torch.no_grad():
+        routed = patched(x)
+        routed_rows = dict(seen)
+        seen.update({key: 0 for key in seen})
+        with all_experts_compute(patched):
+            everything = patched(x)
+        assert seen == {key: 14 for key in seen}  # 2 x 7 tokens each
+        assert sum(routed_rows.values()) == 14 * config.num_experts_per_token and min(routed_rows.values()) < 14
+        torch.testing.assert_close(everything, routed, rtol=1e-5, atol=1e-5)
+        seen.update({key: 0 for key in seen})
+        patched(x)  # the switch is off again outside the context
+    assert seen == routed_rows

@@ -12,10 +12,11 @@ rows as on a single device that processes the same sample.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class _BlockEP:
     dist: DistContext
     expert_width: int  # input width of a routed expert (latent size for a latent MoE)
     top_k: int
+    all_tokens: bool = False  # every local expert computes on every token (`all_experts_compute`)
 
 
 def is_native_moe(block: nn.Module) -> bool:
@@ -47,8 +49,10 @@ def is_moe_block(module: nn.Module) -> bool:
 
 
 def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-                 dist: DistContext) -> torch.Tensor:
-    """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index."""
+                 dist: DistContext, all_tokens: bool = False) -> torch.Tensor:
+    """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index.
+    `all_tokens`: each expert computes on every token (its observers see them all), and only the rows the router
+    chose enter the output."""
     k = topk_idx.shape[-1]
     width = x.shape[-1]
     if dist.is_distributed:
@@ -69,10 +73,13 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         starts = [0, *itertools.accumulate(counts)]
         for key, expert in experts.items():
             e = int(key) + 1
-            if e < len(counts) and counts[e]:
+            routed = e < len(counts) and counts[e]
+            if all_tokens and xs.shape[0]:
+                y = expert(xs)
+            if routed:
                 sel = order[starts[e]:starts[e + 1]]
                 rows, cols = sel // k, sel % k
-                out[rows, cols] = expert(xs[rows]).float() * w[rows, cols, None]
+                out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
         slots.append(out)
     own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
@@ -80,14 +87,16 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
 
 def _standin_moe_infer(self: nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weight: torch.Tensor) -> torch.Tensor:
-    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, getattr(self, _EP_ATTR).dist)
+    ep: _BlockEP = getattr(self, _EP_ATTR)
+    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, ep.dist, ep.all_tokens)
 
 
 def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     shape = hidden_states.shape
     _, topk_weight, topk_idx = self.gate(hidden_states)
     flat = hidden_states.reshape(-1, shape[-1])
-    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, getattr(self, _EP_ATTR).dist)
+    ep: _BlockEP = getattr(self, _EP_ATTR)
+    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, ep.dist, ep.all_tokens)
     return routed.view(shape) + self.shared_experts(hidden_states)
 
 
@@ -111,6 +120,21 @@ def ep_idle(block: nn.Module) -> None:
     x = torch.empty((0, ep.expert_width), device=device, dtype=dtype)
     idx = torch.empty((0, ep.top_k), device=device, dtype=torch.long)
     ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist)
+
+
+@contextlib.contextmanager
+def all_experts_compute(model: nn.Module) -> Iterator[None]:
+    """Within: every local expert of every EP block of `model` computes on every token (llm-compressor's
+    "calibrate all experts": an expert's statistics see all of its rank's tokens, not the ~top-k / E the router
+    sends it), while each block's output keeps the router's choice."""
+    blocks = [getattr(m, _EP_ATTR) for m in model.modules() if hasattr(m, _EP_ATTR)]
+    for ep in blocks:
+        ep.all_tokens = True
+    try:
+        yield
+    finally:
+        for ep in blocks:
+            ep.all_tokens = False
 
 
 @dataclass
