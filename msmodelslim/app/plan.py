@@ -18,7 +18,6 @@ written, no weight is read: the model is built on the meta device. The plan repo
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.base import Unit
+from msmodelslim.pipeline.assembly import host_state
 
 RECORDS_FILE = Path(__file__).with_name("plan_records.json")
 GIB = 1024**3
@@ -181,21 +181,6 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
     worst["host_gib"] = round(worst["host_bytes"] / GIB, 2)
     worst["model"] = "docs/npu.md, Memory per rank"
     return worst
-
-
-def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
-    """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
-    a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
-    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
-    outputs replace its inputs. It grows with the calibration tokens; nothing spills it to disk yet."""
-    text = adapter.text_config
-    units = adapter.units()
-    block = getattr(text, "attn_res_block_size", None)
-    blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
-    mtp = any(u.kind == "mtp" for u in units)
-    per_token = (1 + blocks + int(mtp)) * int(text.hidden_size) * adapter.dtype.itemsize + 8
-    return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
-            "attn_res_blocks": blocks, "mtp_inputs": mtp}
 
 
 def _expert_coverage(adapter: Any, linears: list[LinearPlan], tokens: int) -> dict[str, Any] | None:

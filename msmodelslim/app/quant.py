@@ -606,7 +606,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     # one process's adapter: the model on the meta device, the checkpoint's headers checked, no weight read
     adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)
     try:
-        samples, processors = prepare_run(adapter, checked.records, spec)
+        samples, processors = prepare_run(adapter, checked.records, spec, world=checked.device.world_size)
         tokens = sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s)
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
         largest = max((int(s["input_ids"].numel()) for s in samples if "input_ids" in s), default=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -27,3 +28,15 @@ def return_freed_tensors_to_os(threshold_bytes: int = 1 << 20) -> None:
         return
     if not ok:
         logger.debug("mallopt(M_MMAP_THRESHOLD) refused; freed layers may stay resident")
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel says new allocations can take without swapping (`MemAvailable`), or None where
+    it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -4,28 +4,37 @@ need no compute, and this rank's share of the calibration samples. A run and `--
 from __future__ import annotations
 
 import logging
+import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from msmodelslim.core.config import FallbackConfig
+from msmodelslim.core.memory import available_host_bytes
+from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
 
 logger = logging.getLogger(__name__)
+GIB = 1024**3
 
 
-def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int | None = None,
+                ) -> tuple[list[dict[str, Any]], list[Any]]:
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
-    nothing fails here, before any compute (a run and `--plan` both go through this)."""
+    nothing fails here, before any compute (a run and `--plan` both go through this). `world`: the ranks the samples
+    are dealt to (default the adapter's)."""
 
     adapter.serve_on(spec.serving)
     adapter.calibrate_experts_on_all_tokens(spec.calibrate_all_experts)
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)
+    check_host_memory(adapter, sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s),
+                      world or adapter.dist.world_size)
     processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
                                 adapter)
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
@@ -34,6 +43,40 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any) -> tuple[l
         processor.preflight(adapter, schemes)
     check_plan(processors, planned, adapter)
     return samples, processors
+
+
+def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
+    """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
+    a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
+    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
+    outputs replace its inputs. It grows with the calibration tokens; nothing spills it to disk yet."""
+    text = adapter.text_config
+    units = adapter.units()
+    block = getattr(text, "attn_res_block_size", None)
+    blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
+    mtp = any(u.kind == "mtp" for u in units)
+    per_token = (1 + blocks + int(mtp)) * int(text.hidden_size) * adapter.dtype.itemsize + 8
+    return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
+            "attn_res_blocks": blocks, "mtp_inputs": mtp}
+
+
+def check_host_memory(adapter: ModelAdapter, tokens: int, world: int) -> None:
+    """Refuse, before any compute, a calibration set whose state between units cannot fit in this host's memory
+    (the ranks of one host share it); warn above half of it. Hours into a run, the kernel would kill the rank."""
+    available = available_host_bytes()
+    if not available or not tokens:
+        return
+    state = host_state(adapter, tokens, world)
+    ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    need = ranks * state["bytes"]
+    what = (f"the calibration samples' state between units needs ~{need / GIB:.1f} GiB of host memory ({ranks} "
+            f"rank(s) x {tokens // world} tokens x {state['bytes_per_token']} bytes, held twice), of the "
+            f"{available / GIB:.1f} GiB available")
+    if need > available:
+        raise UserError(f"{what}; calibrate on fewer tokens (spec.max_samples, spec.max_seq_len) or spread them over "
+                        f"more hosts")
+    if 2 * need > available:
+        logger.warning("%s: more than half; other work on this host may push the run out of memory", what)
 
 
 def _mtp_fallback(adapter: ModelAdapter, spec: Any) -> list[FallbackConfig]:
