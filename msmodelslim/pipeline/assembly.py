@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from msmodelslim.core.config import FallbackConfig
-from msmodelslim.core.memory import available_host_bytes
-from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter
+from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
 
@@ -49,7 +48,8 @@ def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
     """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
     a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
     MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
-    outputs replace its inputs. It grows with the calibration tokens; nothing spills it to disk yet."""
+    outputs replace its inputs. It grows with the calibration tokens; past the rank's budget the runner keeps it on
+    disk (pipeline/spill.py)."""
     text = adapter.text_config
     units = adapter.units()
     block = getattr(text, "attn_res_block_size", None)
@@ -61,22 +61,20 @@ def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
 
 
 def check_host_memory(adapter: ModelAdapter, tokens: int, world: int) -> None:
-    """Refuse, before any compute, a calibration set whose state between units cannot fit in this host's memory
-    (the ranks of one host share it); warn above half of it. Hours into a run, the kernel would kill the rank."""
-    available = available_host_bytes()
-    if not available or not tokens:
+    """Say, before any compute, how much host memory the samples' state between units takes per rank, and that
+    past the rank's budget it is kept on disk (pipeline/spill.py)."""
+    if not tokens:
         return
     state = host_state(adapter, tokens, world)
     ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    need = ranks * state["bytes"]
-    what = (f"the calibration samples' state between units needs ~{need / GIB:.1f} GiB of host memory ({ranks} "
-            f"rank(s) x {tokens // world} tokens x {state['bytes_per_token']} bytes, held twice), of the "
-            f"{available / GIB:.1f} GiB available")
-    if need > available:
-        raise UserError(f"{what}; calibrate on fewer tokens (spec.max_samples, spec.max_seq_len) or spread them over "
-                        f"more hosts")
-    if 2 * need > available:
-        logger.warning("%s: more than half; other work on this host may push the run out of memory", what)
+    budget = host_budget(ranks)
+    what = (f"the calibration samples' state between units takes ~{state['bytes'] / GIB:.2f} GiB of host memory per "
+            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, held twice)")
+    if state["bytes"] > budget:
+        logger.info("%s; past %.2f GiB per rank ($%s, else half the available memory over the host's ranks) it is "
+                    "kept on disk in the temporary output", what, budget / GIB, BUDGET_ENV)
+    else:
+        logger.debug("%s", what)
 
 
 def _mtp_fallback(adapter: ModelAdapter, spec: Any) -> list[FallbackConfig]:

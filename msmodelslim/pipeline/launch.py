@@ -41,6 +41,7 @@ from msmodelslim.pipeline.assembly import prepare_run, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
+from msmodelslim.pipeline.spill import SPILL_DIR, StateSpill, host_budget
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +199,12 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         prefetch = request.prefetch and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir)
+        resume = None if request.report_only else ResumeState(request.work_dir)
+        # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
+        spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",
+                           host_budget(torchrun.local_world_size if torchrun else world))
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
-                                 resume=None if request.report_only else ResumeState(request.work_dir),
-                                 resume_after=request.resume_after,
-                                 report=report)
+                                 resume=resume, resume_after=request.resume_after, report=report, spill=spill)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked), _profiled(rank):

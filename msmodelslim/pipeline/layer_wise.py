@@ -14,6 +14,7 @@ at a million calibration tokens that state is tens of GB, the device's share of 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,11 +31,13 @@ from msmodelslim.core.device import bind_device, release_cached_memory, synchron
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
 from msmodelslim.core.placement import HOST
+from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.report import QuantReport
-from msmodelslim.pipeline.resume import ResumeState
+from msmodelslim.pipeline.resume import KEEP, ResumeState
+from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, state_bytes
 from msmodelslim.processor.base import OutputExtras, Processor
 
 logger = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ class LayerWiseRunner:
     def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
                  dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
                  resume: ResumeState | None = None, resume_after: int | None = None,
-                 report: QuantReport | None = None) -> None:
+                 report: QuantReport | None = None, spill: StateSpill | None = None) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -70,6 +73,8 @@ class LayerWiseRunner:
         self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
         self.resume_after = resume_after  # continue after this unit, from its kept state
         self.report = report  # the quant report (pipeline/report.py), collected during the forwards
+        self.spill = spill  # where the samples' state goes past the host budget (pipeline/spill.py), if anywhere
+        self._position = 0  # the unit being processed: its index in adapter.units()
         self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
         self._writing: Future | None = None
 
@@ -79,13 +84,20 @@ class LayerWiseRunner:
         device = self.dist.device
         self.stats.passes[unit.name] += 1
         outputs, finite = [], []
+        kept = 0
         with torch.no_grad():
             for step in range(steps):
                 if step < len(states):
-                    out = self.adapter.forward_unit(unit, module, _to_device(states[step], device))
+                    out = self.adapter.forward_unit(unit, module, _to_device(loaded(states[step]), device))
                     finite.append(all_finite(out))  # every pass: observers must never see a NaN
                     if keep:
-                        outputs.append(_to_host(out))
+                        host = _to_host(out)
+                        if self.spill is not None:
+                            kept += state_bytes(host)
+                            if kept > self.spill.budget and device.type != "cpu":
+                                synchronize(device)  # the asynchronous host copy, complete before it is written
+                            host = self.spill.keep(self._position, step, host, kept)
+                        outputs.append(host)
                 else:
                     self.adapter.idle_unit(unit, module)
         if keep and device.type != "cpu":
@@ -95,7 +107,7 @@ class LayerWiseRunner:
             if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
         if bad:
             culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
-                unit, module, _to_device(states[bad[0]], device)))
+                unit, module, _to_device(loaded(states[bad[0]]), device)))
             raise non_finite_error(unit.name, bad[0], culprit,
                                    next((p.dtype for p in module.parameters()), torch.float32))
         return outputs
@@ -106,6 +118,8 @@ class LayerWiseRunner:
         waits only for the previous write, so a run spends on its resumable state what the disk cannot hide."""
         t0 = time.perf_counter()
         self._wait_for_state()
+        if self.spill is not None:  # the spilled states no kept unit refers to any more
+            self.spill.drop_before(index - KEEP)
         snapshot = {
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],
@@ -132,7 +146,12 @@ class LayerWiseRunner:
             processor.restore_state(state)
         if self.report is not None and kept.get("report") is not None:
             self.report.restore_state(kept["report"])
-        return kept["states"]  # on the host, where the runner keeps them
+        for state in kept["states"]:  # spilled states: their files as they were written (names and sizes)
+            if isinstance(state, Spilled) and (not os.path.isfile(state.path) or
+                                               os.path.getsize(state.path) != state.bytes):
+                raise UserError(f"{state.path}: a spilled calibration state of the resumable state is missing or "
+                                f"damaged; discard it with --fresh")
+        return kept["states"]  # on the host (or spilled), where the runner keeps them
 
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
         return_freed_tensors_to_os()
@@ -187,8 +206,11 @@ class LayerWiseRunner:
 
                 t0 = time.perf_counter()
                 watched = self.report.watch(module) if self.report is not None else []
+                self._position = i
                 if i + 1 < len(units):
                     states = self._run_samples(unit, module, states, keep=True)
+                    if self.spill is not None and self.resume is None:
+                        self.spill.drop_before(i)  # the inputs of this unit are needed no more
                 elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone
                     self._run_samples(unit, module, states, keep=False)
                 self.stats.add("calibrate", time.perf_counter() - t0)
@@ -210,6 +232,8 @@ class LayerWiseRunner:
             t0 = time.perf_counter()
             self._wait_for_state()
             self.stats.add("resume_state", time.perf_counter() - t0)
+            if self.spill is not None and self.resume is None:
+                self.spill.close()  # (with resumable state the files go when it is dropped)
         finally:
             bar.close()
             if pool is not None:

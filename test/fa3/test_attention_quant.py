@@ -7,6 +7,8 @@ fp8); float64 arithmetic for the rounding; its `update_fa_quant_type` strings ("
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -72,6 +74,9 @@ def _head_ranges(samples: list[torch.Tensor]):
 class _NoExperts:
     def is_rank_local(self, name: str) -> bool:
         return False
+
+    def statistics_pass(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def test_head_ranges_are_per_sample_windows_combined_by_min_and_max_in_any_order():

@@ -318,3 +318,20 @@ def test_resume_refuses_a_truncated_shard_of_the_state(tiny_k3_checkpoint, pract
 def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, capsys):
     line = refused([*command(tiny_k3_checkpoint, tmp_path / "out", "cpu", practice), "--resume"], capsys)
     assert "no interrupted run of --save_path" in line and os.listdir(tmp_path) == []
+
+
+def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_from_the_files(
+        tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
+    # $MSMODELSLIM_HOST_STATE_GIB=0: every micro-batch's state between units goes to a file (pipeline/spill.py) and is
+    # read back memory-mapped; the kept units refer to those files. Reference: the uninterrupted in-memory run, bytes.
+    from msmodelslim.pipeline.spill import BUDGET_ENV
+
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, "cpu", practice)
+    stop_after(args, "layers.1", "sigkill", tmp_path)
+    spilled = list((tmp_path / ".out.partial").rglob("spill/unit*/*.pt"))
+    assert spilled, "nothing spilled"
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(reference("cpu"), save)
+    assert os.listdir(tmp_path) == ["out"]  # the spilled state went with the resumable state

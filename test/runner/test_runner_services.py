@@ -8,6 +8,7 @@ the single-process results, each job run once.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 from pathlib import Path
@@ -32,6 +33,9 @@ UNIT = Unit("layers.0", "decoder", "model.layers.0.", 0)
 class NoExperts:
     def is_rank_local(self, name: str) -> bool:
         return False
+
+    def statistics_pass(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def two_readers() -> nn.Module:
