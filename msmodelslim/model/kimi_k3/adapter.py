@@ -24,7 +24,7 @@ from msmodelslim.formats.ascendv1 import quantize_summary
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.base import Unit
 from msmodelslim.model.common.hf_adapter import HFModelAdapter
-from msmodelslim.model.kimi_k3 import ep_patches, fa3, serving
+from msmodelslim.model.kimi_k3 import fa3, serving
 from msmodelslim.model.kimi_k3.layout import BLOCK_KINDS, KimiLayout
 from msmodelslim.model.kimi_k3.patches import kimi_patches
 from msmodelslim.model.kimi_k3.quarot import PROJECTOR_ROTATION
@@ -102,7 +102,6 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self._fa3_attentions: list[str] | None = None
         super().__init__(model_path, trust_remote_code, dist, dtype)
         self.serving_layouts = serving.layouts_of(self.config.model_type)  # serve_on may narrow them
-        self.all_expert_statistics = False  # spec.calibrate_all_experts
 
     def check_built_config(self) -> None:
         config_file = Path(self.model_path) / "config.json"
@@ -146,12 +145,14 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self.serving_layouts = tuple(layouts) if layouts else ours
 
     def calibrate_experts_on_all_tokens(self, on: bool) -> None:
-        self.all_expert_statistics = on
+        self.layout.all_expert_statistics = on
+
+    @property
+    def all_expert_statistics(self) -> bool:
+        return self.layout.all_expert_statistics
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
-        if self.all_expert_statistics:
-            return ep_patches.all_experts_compute(self.model)
-        return contextlib.nullcontext()
+        return self.layout.statistics_pass()
 
     def fused_by(self, group: str) -> str:
         return "serving layout " + " and ".join(serving.fusing_layouts(group, self.serving_layouts))

@@ -9,6 +9,7 @@ built with the same layout the run uses.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -46,6 +47,7 @@ class KimiLayout:
         self.dtype = dtype or model.dtype
         self.text_config = model.config.get_text_config()
         self.is_multimodal = hasattr(model, "vision_tower")
+        self.all_expert_statistics = False  # spec.calibrate_all_experts (statistics_pass)
         self.is_native = type(model).__module__.startswith("transformers.models.")
         self.language_model = model.language_model if self.is_multimodal else model
         self.lm_prefix = "language_model." if self.is_multimodal else ""
@@ -143,6 +145,11 @@ class KimiLayout:
                 return None  # another rank's expert: that rank checks and loads it
         return (f"belongs to no module of {type(self.model).__name__} (an extra tensor, or a config.json that does "
                 f"not match the weights)")
+
+    def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
+        """Around each statistics pass: with `all_expert_statistics` (spec.calibrate_all_experts) every local routed
+        expert computes on every token (ep_patches.all_experts_compute)."""
+        return ep_patches.all_experts_compute(self.model) if self.all_expert_statistics else contextlib.nullcontext()
 
     def is_rank_local(self, name: str) -> bool:
         """A routed expert's module (live or checkpoint name): held by one expert-parallel rank."""
