@@ -8,7 +8,8 @@ follow the head), with the quant report's observers on its quantized linears (pi
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
 attention-residual blocks, MTP inputs) lives on the host, and an accelerator holds one micro-batch of it at a time:
-at a million calibration tokens that state is tens of GB, the device's share of it stays one forward's.
+at a million calibration tokens that state is hundreds of GB, the device's share of it stays one forward's, and past
+a host budget the runner keeps it in files read back memory-mapped (pipeline/spill.py).
 """
 
 from __future__ import annotations
