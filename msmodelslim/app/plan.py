@@ -241,7 +241,8 @@ def describe(plan: dict[str, Any]) -> str:
         parts = ["hidden states"] + ([f"{state['attn_res_blocks']} attention-residual blocks"]
                                      if state["attn_res_blocks"] else []) + (["MTP inputs"] if state["mtp_inputs"] else [])
         lines.append(f"samples' state per rank, on the host: ~{_size(state['bytes'])} ({state['bytes_per_token']} "
-                     f"bytes per token: {', '.join(parts)}; twice while a unit replaces it)")
+                     f"bytes per token: {', '.join(parts)}; twice while a unit replaces it); in the temporary "
+                     f"output, all ranks: up to ~{_size(state['disk_bytes'])} (the resumable state)")
     cal = plan["calibration"]
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
     cov = cal.get("expert_coverage")

@@ -13,6 +13,7 @@ import torch
 
 from msmodelslim.core.config import FallbackConfig
 from msmodelslim.model.base import ModelAdapter
+from msmodelslim.pipeline.resume import KEEP
 from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
@@ -57,7 +58,10 @@ def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
     mtp = any(u.kind == "mtp" for u in units)
     per_token = (1 + blocks + int(mtp)) * int(text.hidden_size) * adapter.dtype.itemsize + 8
     return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
-            "attn_res_blocks": blocks, "mtp_inputs": mtp}
+            "attn_res_blocks": blocks, "mtp_inputs": mtp,
+            # on the save path's disk, all ranks: the resumable state keeps the last KEEP units' states, one more is
+            # written, and spilled states of the unit in progress (pipeline/resume.py, spill.py)
+            "disk_bytes": (KEEP + 2) * per_token * tokens}
 
 
 def check_host_memory(adapter: ModelAdapter, tokens: int, world: int) -> None:
@@ -69,7 +73,8 @@ def check_host_memory(adapter: ModelAdapter, tokens: int, world: int) -> None:
     ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     budget = host_budget(ranks)
     what = (f"the calibration samples' state between units takes ~{state['bytes'] / GIB:.2f} GiB of host memory per "
-            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, held twice)")
+            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, held twice) and up to "
+            f"~{state['disk_bytes'] / GIB:.2f} GiB in the temporary output (the resumable state)")
     if state["bytes"] > budget:
         logger.info("%s; past %.2f GiB per rank ($%s, else half the available memory over the host's ranks) it is "
                     "kept on disk in the temporary output", what, budget / GIB, BUDGET_ENV)

@@ -164,6 +164,7 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
     assert estimate["attn_res_blocks"] == len(state["attn_res_blocks"]) > 0 and estimate["mtp_inputs"]
     assert estimate["bytes_per_token"] * tokens == carried
     assert estimate["bytes"] == 2 * estimate["bytes_per_token"] * (tokens // 2)  # per rank, held twice
+    assert estimate["disk_bytes"] == 5 * estimate["bytes_per_token"] * tokens  # all ranks: 3 kept units + 2
 
 
 def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compute(tiny_k3_checkpoint, tmp_path,
@@ -179,7 +180,8 @@ def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compu
     with caplog.at_level(logging.INFO, logger="msmodelslim.pipeline.assembly"):
         state = plan(args)["memory_per_rank"]["host_state"]
     assert re.search(rf"state between units takes ~\d+\.\d+ GiB of host memory per rank \(\d+ tokens x "
-                     rf"{state['bytes_per_token']} bytes, held twice\); past 0\.00 GiB per rank .* it is kept on disk",
+                     rf"{state['bytes_per_token']} bytes, held twice\) and up to ~\d+\.\d+ GiB in the temporary output \(the "
+                     rf"resumable state\); past 0\.00 GiB per rank .* it is kept on disk",
                      caplog.text)
     monkeypatch.setenv(BUDGET_ENV, "-1")
     with pytest.raises(UserError, match=rf"\${BUDGET_ENV}: expected a number of GiB >= 0, got '-1'"):
