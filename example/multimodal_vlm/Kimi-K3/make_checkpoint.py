@@ -44,14 +44,17 @@ EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 QUANT_TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 
 # Every preset has every Kimi-K3 feature: attention residuals, SiTU, the latent MoE with its norm, q-LoRA MLA with
-# the output gate, the full-rank KDA gate, MTP layers and the MoonViT tower. Layer lists are 1-indexed.
+# the output gate, the full-rank KDA gate with the released bounded ("safe") form (`gate_lower_bound` -5.0, what
+# vLLM 0.33's fastest KDA kernels require; `--set text_config.linear_attn_config.gate_lower_bound=null` for the
+# unbounded gate), MTP layers and the MoonViT tower. Layer lists are 1-indexed.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "max_shard_size": "1MB",
         "text_config": {
             "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
             "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
-                                   "head_dim": 64, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+                                   "head_dim": 64, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+                                   "gate_lower_bound": -5.0},
             "num_attention_heads": 2, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
             "kv_lora_rank": 64, "q_lora_rank": 96, "attn_res_block_size": 2, "num_nextn_predict_layers": 1,
             "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 64,
@@ -67,7 +70,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_config": {
             "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
             "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 4,
-                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+                                   "gate_lower_bound": -5.0},
             "num_attention_heads": 4, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
             "kv_lora_rank": 128, "q_lora_rank": 192, "attn_res_block_size": 2, "num_nextn_predict_layers": 1,
             "num_experts": 32, "num_experts_per_token": 4, "moe_intermediate_size": 256,
@@ -84,7 +88,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_config": {
             "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 8,
             "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 16,
-                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+                                   "gate_lower_bound": -5.0},
             "num_attention_heads": 16, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
             "kv_lora_rank": 512, "q_lora_rank": 768, "attn_res_block_size": 4, "num_nextn_predict_layers": 1,
             "num_experts": 128, "num_experts_per_token": 8, "moe_intermediate_size": 1024,
@@ -102,7 +107,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_config": {
             "vocab_size": 4096, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 1,
             "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [], "num_heads": 96,
-                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+                                   "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+                                   "gate_lower_bound": -5.0},
             "num_attention_heads": 96, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
             "kv_lora_rank": 512, "q_lora_rank": 1536, "attn_res_block_size": 8, "num_nextn_predict_layers": 0,
             "num_experts": 896, "num_experts_per_token": 16, "moe_intermediate_size": 3072,
