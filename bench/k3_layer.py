@@ -15,7 +15,8 @@ Calibration at scale (`--tokens 65536,262144,1048576`): a generated set of long 
 `--max-seq-len`; one record in 8 is image+text from lab_calib/calibImages) of T tokens for each T, run after one
 warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the slope between the sizes.
 `--baseline-tree DIR` runs the same sizes with another copy of the package (e.g. `git archive` of an older commit)
-in the same sitting, for a side-by-side ratio.
+in the same sitting, for a side-by-side ratio; `--micro-batch-tokens 8192,65536` runs each size at each micro-batch
+size (the passes are bound by kernel launches per micro-batch, not by the device's arithmetic).
 
 Usage: python bench/k3_layer.py --device cuda:0 [--samples 8 --max-seq-len 1024 --layers 93 --practice P.yaml]
        python bench/k3_layer.py --device cuda:0 --tokens 65536,262144 [--baseline-tree bench_out/baseline]
@@ -100,30 +101,35 @@ def long_record_set(tokens: int, seq_len: int, images: bool = True) -> tuple[Pat
 
 
 def scale_runs(args: argparse.Namespace, model: Path) -> dict:
-    """Runs at each calibration size T (after a warm-up), and the marginal cost per token between sizes."""
+    """Runs at each calibration size T (after a warm-up), and the marginal cost per token between sizes; one
+    variant per package tree and micro-batch size, side by side in the same sitting."""
     sizes = [int(t) for t in args.tokens.split(",")]
     trees = {"current": None, **({"baseline": args.baseline_tree} if args.baseline_tree else {})}
+    batches = [int(b) for b in args.micro_batch_tokens.split(",")] if args.micro_batch_tokens else [None]
+    variants = {(name if len(batches) == 1 else f"{name}@{batch}"): (tree, batch)
+                for name, tree in trees.items() for batch in batches}
     out = BENCH_OUT / "Kimi-K3-layer-w4a8"
 
-    def practice_for(t: int) -> Path:
+    def practice_for(t: int, batch: int | None) -> Path:
         folder, records = long_record_set(t, args.max_seq_len)
-        return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}.yaml", records,
-                                 args.max_seq_len, dataset=folder)
+        return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}_{batch}.yaml", records,
+                                 args.max_seq_len, dataset=folder, micro_batch_tokens=batch)
 
-    for tree in trees.values():  # Triton compilation and autotuning at the measured batch shapes, not timed
-        run_quant(model, out, args.device, practice_for(sizes[0]), extra_env=_tree_env(tree))
-    if args.profile:  # the operators of one run at the smallest size, by device time (printed, not in the JSON)
+    for tree in trees.values():  # Triton compilation and autotuning (fla caches it on disk), not timed
+        run_quant(model, out, args.device, practice_for(sizes[0], batches[0]), extra_env=_tree_env(tree))
+    if args.profile:  # each calibration pass's operators, one run at the smallest size (printed, not in the JSON)
         prefix = BENCH_OUT / "k3_layer_profile"
-        run_quant(model, out, args.device, practice_for(sizes[0]), extra_env={"MSMODELSLIM_PROFILE": str(prefix)})
-        print(Path(f"{prefix}.rank0").read_text(), flush=True)
-    results: dict[str, list[dict]] = {name: [] for name in trees}
+        for batch in batches:
+            run_quant(model, out, args.device, practice_for(sizes[0], batch),
+                      extra_env={"MSMODELSLIM_PROFILE": str(prefix)})
+            print(f"micro-batch {batch or 'default'}:\n" + Path(f"{prefix}.rank0").read_text(), flush=True)
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     for t in sizes:
-        practice = practice_for(t)
-        for name, tree in trees.items():
-            run = run_quant(model, out, args.device, practice, extra_env=_tree_env(tree))["ranks"][0]
+        for name, (tree, batch) in variants.items():
+            run = run_quant(model, out, args.device, practice_for(t, batch), extra_env=_tree_env(tree))["ranks"][0]
             run["tokens_requested"] = t
             results[name].append(run)
-            print(json.dumps({"tree": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
+            print(json.dumps({"variant": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
                               "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
                               "peak_rss_gb": round(run["peak_rss_gb"], 2)}), flush=True)
     summary = {}
@@ -163,7 +169,10 @@ def main() -> None:
     p.add_argument("--tokens", default=None, help="comma-separated calibration sizes T (tokens), each a generated "
                                                    "long-record set; replaces --samples")
     p.add_argument("--baseline-tree", default=None, help="with --tokens: also run another copy of the package")
-    p.add_argument("--profile", action="store_true", help="with --tokens: print the operator profile of a run")
+    p.add_argument("--profile", action="store_true", help="with --tokens: print the operators of each calibration "
+                                                           "pass of a run at the smallest size")
+    p.add_argument("--micro-batch-tokens", default=None, help="with --tokens: comma-separated spec.micro_batch_tokens "
+                                                               "values, each a variant (default: the practice's)")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")

@@ -39,6 +39,7 @@ from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.assembly import prepare_run, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.pipeline.spill import SPILL_DIR, StateSpill, host_budget
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 STATS_ENV = "MSMODELSLIM_STATS_FILE"
 NO_REPORT_ENV = "MSMODELSLIM_BENCH_NO_REPORT"  # "1": no quant report (benchmarks time the report's cost with it)
-PROFILE_ENV = "MSMODELSLIM_PROFILE"  # a file prefix: the run's operator profile (benchmarks)
 RENDEZVOUS_TIMEOUT_ENV = "MSMODELSLIM_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait for each other at start
 DEFAULT_RENDEZVOUS_TIMEOUT = 600.0  # ranks importing torch_npu on a busy host can take minutes to arrive
 _STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to die before it is killed
@@ -204,11 +204,13 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",
                            host_budget(torchrun.local_world_size if torchrun else world))
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
-                                 resume=resume, resume_after=request.resume_after, report=report, spill=spill)
+                                 resume=resume, resume_after=request.resume_after, report=report, spill=spill,
+                                 profiler=pass_profiler(device))
         start = time.perf_counter()
         checked: dict[str, int] = {}
-        with ascend_check.run_checked(device, request.ascend_check, checked), _profiled(rank):
+        with ascend_check.run_checked(device, request.ascend_check, checked):
             stats = runner.run(mine)
+        write_profile(runner.profiler, rank)
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
                   "calibration_passes": dict(stats.passes),
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -242,22 +244,6 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             torch_dist.destroy_process_group()
         if main_pid is not None and not _alive(main_pid):  # failed because a peer left with the main process
             _remove_orphaned_output(orphaned_output, request.work_dir, world, rank)
-
-
-@contextlib.contextmanager
-def _profiled(rank: int) -> Any:
-    """With $MSMODELSLIM_PROFILE (benchmarks only): the run under torch.profiler, its operators by device time
-    written to `$MSMODELSLIM_PROFILE.rank<r>`."""
-    path = os.environ.get(PROFILE_ENV)
-    if not path:
-        yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU] + \
-        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        yield
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    Path(f"{path}.rank{rank}").write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
 
 
 def run_service(request: QuantRequest) -> None:

@@ -36,6 +36,7 @@ from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
+from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import KEEP, ResumeState
 from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, state_bytes
@@ -62,7 +63,8 @@ class LayerWiseRunner:
     def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
                  dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
                  resume: ResumeState | None = None, resume_after: int | None = None,
-                 report: QuantReport | None = None, spill: StateSpill | None = None) -> None:
+                 report: QuantReport | None = None, spill: StateSpill | None = None,
+                 profiler: PassProfiler | None = None) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -75,12 +77,21 @@ class LayerWiseRunner:
         self.resume_after = resume_after  # continue after this unit, from its kept state
         self.report = report  # the quant report (pipeline/report.py), collected during the forwards
         self.spill = spill  # where the samples' state goes past the host budget (pipeline/spill.py), if anywhere
+        self.profiler = profiler  # each pass's operators ($MSMODELSLIM_PROFILE, benchmarks), if anything
         self._position = 0  # the unit being processed: its index in adapter.units()
+        self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
         self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
         self._writing: Future | None = None
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool) -> list[dict[str, Any]]:
+        if self.profiler is None:
+            return self._forward_samples(unit, module, states, keep)
+        with self.profiler.profiled(self._pass_kind):
+            return self._forward_samples(unit, module, states, keep)
+
+    def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
+                         keep: bool) -> list[dict[str, Any]]:
         steps = self.steps if self.steps is not None else len(states)
         device = self.dist.device
         self.stats.passes[unit.name] += 1
@@ -199,6 +210,7 @@ class LayerWiseRunner:
                 ctx = UnitContext(unit, module, self.adapter, self.dist,
                                   run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
                 for processor in self.processors:
+                    self._pass_kind = processor.name
                     t1 = time.perf_counter()
                     run_processor(processor, ctx, timed=lambda kind, sec, p=processor.name:
                                   self.stats.add(f"{kind}.{p}", sec))
@@ -208,6 +220,7 @@ class LayerWiseRunner:
                 t0 = time.perf_counter()
                 watched = self.report.watch(module) if self.report is not None else []
                 self._position = i
+                self._pass_kind = "calibrate"
                 if i + 1 < len(units):
                     states = self._run_samples(unit, module, states, keep=True)
                     if self.spill is not None and self.resume is None:

@@ -1,0 +1,78 @@
+"""$MSMODELSLIM_PROFILE (benchmarks only): where a calibration pass spends its time.
+
+Each pass over the samples runs under its own torch.profiler, so the trace holds the forwards and their observers
+and not the quantization jobs (GPTQ's column loops are hundreds of thousands of small operators per full-size layer
+and made a whole-run profile outlast a device call). Per pass kind (the processor that asked for it, or `calibrate`)
+the file gives the wall time, the device kernels launched and their time, and the operators by device and host time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from msmodelslim.core.device import synchronize
+
+PROFILE_ENV = "MSMODELSLIM_PROFILE"  # a file prefix: `<prefix>.rank<r>`
+
+
+class PassProfiler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.walls: dict[str, float] = defaultdict(float)
+        self.passes: dict[str, int] = defaultdict(int)
+        # per pass kind, per operator: [calls, host microseconds, device microseconds]
+        self.ops: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
+        self.kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # per pass kind: [launches, device us]
+
+    @contextlib.contextmanager
+    def profiled(self, kind: str) -> Iterator[None]:
+        activities = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if self.on_gpu else [])
+        synchronize(self.device)
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+            synchronize(self.device)
+        self.walls[kind] += time.perf_counter() - start
+        self.passes[kind] += 1
+        for event in prof.key_averages():
+            device_us = float(getattr(event, "self_device_time_total", 0.0))
+            if event.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or a device copy / memset)
+                self.kernels[kind][0] += event.count
+                self.kernels[kind][1] += device_us
+                continue
+            row = self.ops[kind][event.key]
+            row[0] += event.count
+            row[1] += float(event.self_cpu_time_total)
+            row[2] += device_us
+
+    def write(self, path: Path, top: int = 25) -> None:
+        lines = []
+        for kind in sorted(self.walls, key=self.walls.get, reverse=True):
+            launches, device_us = self.kernels[kind]
+            host_us = sum(r[1] for r in self.ops[kind].values())
+            lines.append(f"== {kind}: {self.passes[kind]} passes, wall {self.walls[kind]:.3f} s, host operators "
+                         f"{host_us / 1e6:.3f} s, {int(launches)} device kernels taking {device_us / 1e6:.3f} s")
+            rows = sorted(self.ops[kind].items(), key=lambda kv: (kv[1][2], kv[1][1]), reverse=True)[:top]
+            lines.append(f"{'operator':<60} {'calls':>9} {'host s':>9} {'device s':>9}")
+            lines += [f"{name[:60]:<60} {int(r[0]):>9} {r[1] / 1e6:>9.4f} {r[2] / 1e6:>9.4f}" for name, r in rows]
+            by_host = sorted(self.ops[kind].items(), key=lambda kv: kv[1][1], reverse=True)[:10]
+            lines.append("  by host time: " + ", ".join(f"{n} {r[1] / 1e6:.3f} s ({int(r[0])})" for n, r in by_host))
+        path.write_text("\n".join(lines) + "\n")
+
+
+def pass_profiler(device: torch.device) -> PassProfiler | None:
+    return PassProfiler(device) if os.environ.get(PROFILE_ENV) else None
+
+
+def write_profile(profiler: PassProfiler | None, rank: int) -> None:
+    if profiler is not None:
+        profiler.write(Path(f"{os.environ[PROFILE_ENV]}.rank{rank}"))
