@@ -7,7 +7,7 @@ random words, bench/k3_layer.py's generator). For each size: the runner's wall t
 layer, with nothing observed (what `msmodelslim eval` does twice per token: original and quantized). The marginal
 cost per token is the slope between the sizes; the target is runner <= 3 x forward.
 
-    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512]
+    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096]
 Prints one JSON line last.
 """
 
@@ -58,15 +58,19 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--calibrate-all-experts", action="store_true",
                    help="the practice with spec.calibrate_all_experts: every routed expert computes on every token")
+    p.add_argument("--report-tokens", type=int, default=None,
+                   help="spec.report_tokens (default the practice's, 65,536): below the smaller size, the marginal "
+                        "cost is that of a token past the report's cap")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     rows = []
     for tokens in sizes:
         folder, records = long_record_set(tokens, args.max_seq_len, images=False)
+        spec = {"calibrate_all_experts": True} if args.calibrate_all_experts else {}
+        if args.report_tokens is not None:
+            spec["report_tokens"] = args.report_tokens
         practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
-                                     dataset=folder)
-        if args.calibrate_all_experts:
-            practice.write_text(practice.read_text().replace("spec:\n", "spec:\n  calibrate_all_experts: true\n", 1))
+                                     dataset=folder, spec=spec)
         run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear")["ranks"][0]
         forward = plain_forward_s(folder, records, args.max_seq_len)
         rows.append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2), "forward_s": round(forward, 3),
@@ -81,6 +85,7 @@ def main() -> None:
     stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
     print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
                   "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
+                  "report_tokens": args.report_tokens,
                   "max_seq_len": args.max_seq_len, "sizes": rows,
                   "runner_marginal_ms_per_token": round(runner_ms, 4),
                   "forward_marginal_ms_per_token": round(forward_ms, 4),

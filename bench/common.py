@@ -43,8 +43,8 @@ def print_result(result: dict) -> None:
 
 def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
                       max_seq_len: int | None = None, dataset: Path | None = None,
-                      micro_batch_tokens: int | None = None) -> Path:
-    """A shipped practice with a smaller (or another) calibration set (same processors)."""
+                      spec: dict | None = None) -> Path:
+    """A shipped practice with a smaller (or another) calibration set (same processors), other spec keys set."""
     import yaml
 
     practice = yaml.safe_load(source.read_text())
@@ -54,8 +54,7 @@ def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
         practice["spec"]["max_samples"] = max_samples
     if max_seq_len:
         practice["spec"]["max_seq_len"] = max_seq_len
-    if micro_batch_tokens:
-        practice["spec"]["micro_batch_tokens"] = micro_batch_tokens
+    practice["spec"].update(spec or {})  # other spec keys (micro_batch_tokens, report_tokens, ...)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(practice, sort_keys=False))
     return dest

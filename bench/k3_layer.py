@@ -113,7 +113,8 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     def practice_for(t: int, batch: int | None) -> Path:
         folder, records = long_record_set(t, args.max_seq_len)
         return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}_{batch}.yaml", records,
-                                 args.max_seq_len, dataset=folder, micro_batch_tokens=batch)
+                                 args.max_seq_len, dataset=folder,
+                                 spec=None if batch is None else {"micro_batch_tokens": batch})
 
     for tree in trees.values():  # Triton compilation and autotuning (fla caches it on disk), not timed
         run_quant(model, out, args.device, practice_for(sizes[0], batches[0]), extra_env=_tree_env(tree))

@@ -11,6 +11,7 @@ spec:
   max_samples: 16                              # optional
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   micro_batch_tokens: 8192                     # optional; records of one length share a forward up to this
+  report_tokens: 65536                         # optional; the quant report observes this many tokens (null: all)
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
 `spec.process` / `spec.save` become lists of `PracticeStep(type, config, cls)`. Processor and saver entries are built
@@ -44,6 +45,9 @@ from msmodelslim.errors import UserError, shown
 # no layer-wise run finishes on that, and calibration needs far fewer).
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MICRO_BATCH_TOKENS = 8192  # a forward of 8k tokens: ~2 GiB of a full-size layer's activations
+# The quant report's statistics come from the first 64k calibration tokens: ~1,200 per routed expert of Kimi-K3
+# (top-16 of 896), enough to rank linears by their error, and past them a calibration token costs no report work.
+DEFAULT_REPORT_TOKENS = 65536
 ApiVersion = Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]  # the text and the multimodal service
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
 
@@ -430,6 +434,9 @@ class Spec(StrictConfig):
     max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
     # Records of one length are forwarded together, up to this many tokens per forward (null: one record each).
     micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
+    # The quant report observes the micro-batches that come first in the global order up to this many tokens (the
+    # same ones on any number of ranks; null: every token). The routed experts' coverage counts their Hessians'.
+    report_tokens: int | None = DEFAULT_REPORT_TOKENS
     fallback: list[FallbackConfig] = field(default_factory=list)  # linears kept in higher precision
     # MTP layers (Kimi-K3's layers.{N + k}): quantized like the rest, kept FLOAT, or left out of the output (and out
     # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
@@ -445,7 +452,7 @@ class Spec(StrictConfig):
     def validate(self) -> None:
         if not self.dataset.strip():
             raise ValueError("dataset must not be empty")
-        for name in ("max_samples", "max_seq_len", "micro_batch_tokens"):
+        for name in ("max_samples", "max_seq_len", "micro_batch_tokens", "report_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

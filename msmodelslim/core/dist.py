@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -138,3 +139,21 @@ class DistContext:
 
 
 SINGLE = DistContext()
+
+
+# The rank whose tokens the code in progress computes on: an expert under expert parallelism computes on every
+# rank's tokens, one rank's block at a time (model/kimi_k3/ep_patches.py); None: this rank's own.
+_TOKEN_SOURCE: ContextVar[int | None] = ContextVar("token_source", default=None)
+
+
+@contextmanager
+def token_source(rank: int) -> Iterator[None]:
+    reset = _TOKEN_SOURCE.set(rank)
+    try:
+        yield
+    finally:
+        _TOKEN_SOURCE.reset(reset)
+
+
+def current_token_source() -> int | None:
+    return _TOKEN_SOURCE.get()

@@ -149,5 +149,23 @@ def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[
     gives every rank samples of about the same size at each step. Which rank forwards a sample never changes the
     output (statistics are max-reduced, each sample is forwarded on its own).
     """
-    order = sorted(range(len(samples)), key=lambda i: -_sample_size(samples[i]))  # stable: ties keep file order
-    return [samples[i] for i in order[rank::world]]
+    return [samples[i] for i in _dealing_order(samples)[rank::world]]
+
+
+def report_positions(samples: list[dict[str, Any]], tokens: int | None) -> set[int] | None:
+    """The samples the quant report observes, by place in the dealing order (`split_samples`: rank r forwards place
+    s * world + r at step s): the first, up to `tokens` calibration tokens (at least one), the same on any number of
+    ranks. None: all."""
+    if tokens is None:
+        return None
+    places, seen = set(), 0
+    for place, index in enumerate(_dealing_order(samples)):
+        if seen >= tokens:
+            break
+        places.add(place)
+        seen += int(samples[index]["input_ids"].numel()) if "input_ids" in samples[index] else 0
+    return places
+
+
+def _dealing_order(samples: list[dict[str, Any]]) -> list[int]:
+    return sorted(range(len(samples)), key=lambda i: -_sample_size(samples[i]))  # stable: ties keep file order

@@ -37,7 +37,7 @@ from msmodelslim.errors import RankLost, ResumableError, UserError
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.pipeline.assembly import prepare_run, split_samples
+from msmodelslim.pipeline.assembly import prepare_run, report_positions, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
@@ -198,7 +198,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
         prefetch = request.prefetch and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
-            QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir)
+            QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
+                        positions=report_positions(samples, spec.report_tokens))
         resume = None if request.report_only else ResumeState(request.work_dir)
         # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",

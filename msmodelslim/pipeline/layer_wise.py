@@ -99,6 +99,8 @@ class LayerWiseRunner:
         kept = 0
         with torch.no_grad():
             for step in range(steps):
+                if self.report is not None:
+                    self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
                 if step < len(states):
                     out = self.adapter.forward_unit(unit, module, _to_device(loaded(states[step]), device))
                     finite.append(all_finite(out))  # every pass: observers must never see a NaN

@@ -3,7 +3,8 @@ statistics (quant/sensitivity.py), from the forward the runner makes anyway: no 
 
 Per unit, `watch` gives each QuantLinear an input-sums observer for the runner's forward of the quantized unit
 (the one that makes the next unit's inputs; the last unit feeds nothing, so its forward runs for the report only
-when it holds a quantized linear); `finish_unit` sums the replicated linears' sums over the data-parallel ranks
+when it holds a quantized linear), active on the samples `spec.report_tokens` selects (`observe_step`: the first
+of the global order, so past them a calibration token costs the report nothing); `finish_unit` sums the replicated linears' sums over the data-parallel ranks
 (float32: the report is a diagnostic, its numbers are kept to 4 significant digits and agree across rank counts
 within that; routed experts under EP already saw every rank's tokens) and makes each linear's entry. The entries
 are part of a rank's resumable state. At the end every rank writes its part and rank 0 merges them into
@@ -19,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from msmodelslim.core.dist import DistContext
+from msmodelslim.core.dist import DistContext, current_token_source
 from msmodelslim.core.report import REPORT_FILE, REPORT_VERSION, ranked
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.quant.modules import QuantLinear
@@ -31,8 +32,11 @@ LOGGED_WORST = 15  # msModelSlim's `analyze --top_k` default
 
 
 class QuantReport:
-    def __init__(self, adapter: ModelAdapter, dist: DistContext, source: dict[str, str], work_dir: Path) -> None:
+    def __init__(self, adapter: ModelAdapter, dist: DistContext, source: dict[str, str], work_dir: Path,
+                 positions: set[int] | None = None) -> None:
         self.adapter = adapter
+        self.positions = positions  # the samples observed, by place in the dealing order (assembly.report_positions)
+        self._step = 0  # this rank's sample in progress: every rank forwards its sample `step` at the same time
         self.dist = dist
         self.work_dir = work_dir  # the run's temporary output: the parts and the report go there
         self.source = source  # formats.checkpoint.source_identity of the checkpoint: a fallback checks it
@@ -44,7 +48,22 @@ class QuantReport:
                    if isinstance(m, QuantLinear) and m.weight_error is not None]
         for _, m in linears:
             m.observer = InputSums.zeros(m.in_features, self.dist.device)
+            m.observer.gate = self._observes
         return linears
+
+    def observe_step(self, step: int) -> None:
+        """Before the forward of this rank's sample `step`."""
+        self._step = step
+
+    def _observes(self) -> bool:
+        """Whether the tokens in progress are observed: those of the sample the rank they come from forwards now
+        (a routed expert under EP computes every rank's tokens; split_samples dealt rank r its step s from place
+        s * world + r)."""
+        if self.positions is None:
+            return True
+        source = current_token_source()
+        rank = self.dist.rank if source is None else source
+        return self._step * self.dist.world_size + rank in self.positions
 
     def finish_unit(self, unit: Unit, linears: list[tuple[str, QuantLinear]]) -> None:
         """Reduce the replicated linears' sums over ranks (the same names in the same order on every rank) and
@@ -92,14 +111,15 @@ class QuantReport:
 
 
 def expert_coverage(experts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """How many calibration tokens the routed experts' linears saw (min / median / max), and those that saw fewer
-    than their inputs: their Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means
+    """How many calibration tokens the routed experts' linears saw (min / median / max; their Hessians' counts where
+    GPTQ had one, every calibration token, else the report's own), and those that saw fewer than their inputs: their Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means
     min/max rounding for a weight no token tested). Logged as a warning naming them; None without experts."""
     if not experts:
         return None
-    counts = sorted(e["tokens"] for e in experts.values())
-    short = sorted(n for n, e in experts.items() if e["tokens"] < e["inputs"])
-    unseen = [n for n in short if experts[n]["tokens"] == 0]
+    seen = {n: e["tokens"] if e.get("hessian_tokens") is None else e["hessian_tokens"] for n, e in experts.items()}
+    counts = sorted(seen.values())
+    short = sorted(n for n, e in experts.items() if seen[n] < e["inputs"])
+    unseen = [n for n in short if seen[n] == 0]
     if short:
         logger.warning("quant report: %d of %d routed-expert linears saw fewer calibration tokens than their inputs "
                        "(%d saw none): %s%s; more calibration data covers them", len(short), len(experts),

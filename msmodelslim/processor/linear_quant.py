@@ -240,7 +240,7 @@ class LinearQuantProcessor(Processor):
             # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had
             method = "checkpoint" if live_name in native else weight_cfg.method  # kept MXFP4 bytes: no rounding
             quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,
-                                              hessians.get(live_name))
+                                              hessians.get(live_name), tokens.get(live_name))
             setattr(parent, child, quant)
         hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""

@@ -335,6 +335,7 @@ class QuantLinear(nn.Module):
         if self.online_rotation is not None:
             x = apply_online_rotation(x, self.online_rotation)
         act = self.scheme.act
+        observer = self.observer if self.observer is not None and self.observer.active() else None
         x_quant = None  # what the kernel multiplies by, for the observer
         if isinstance(act, IntDtype):
             qx, sx = quantize_per_token(x, act)
@@ -343,7 +344,7 @@ class QuantLinear(nn.Module):
             else:
                 y = _integer_matmul(qx, self.qweight) * sx * self.weight_scale.t()
             y = y.to(out_dtype)
-            if self.observer is not None:
+            if observer is not None:
                 x_quant = qx.to(torch.float32) * sx
         else:  # MX: elements times powers of two are exact in the model dtype
             if act is not None:
@@ -351,8 +352,8 @@ class QuantLinear(nn.Module):
             y = F.linear(x if act is None else x_quant, self.dequantized_weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
-        if self.observer is not None:
-            self.observer.record(x, x_quant, y)
+        if observer is not None:
+            observer.record(x, x_quant, y)
         return y
 
     def extra_repr(self) -> str:

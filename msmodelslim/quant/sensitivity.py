@@ -23,6 +23,7 @@ reads activations: `act_kurtosis` (the same ratio, from float32 raw moments), `a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class WeightError:
     exact: float | None
     kurtosis: float
     std: float
+    hessian_tokens: int | None = None  # the calibration tokens behind the Hessian, where there was one
 
 
 def weight_statistics(w: torch.Tensor) -> tuple[float, float]:
@@ -52,10 +54,11 @@ def weight_statistics(w: torch.Tensor) -> tuple[float, float]:
     return float(centred.pow(4).mean() / var.square()), float(var.sqrt())
 
 
-def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian: torch.Tensor | None = None
-                 ) -> WeightError:
+def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian: torch.Tensor | None = None,
+                 hessian_tokens: int | None = None) -> WeightError:
     """The report's record of quantizing `w` [out, in] to `w_hat` (the weight the engine multiplies by), with the
-    input Hessian X^T X [in, in] when the quantizer had one (then tr(dW H dW^T) / tr(W H W^T) exactly)."""
+    input Hessian X^T X [in, in] when the quantizer had one (then tr(dW H dW^T) / tr(W H W^T) exactly) and the
+    tokens it summed."""
     wf, qf = w.detach().float(), w_hat.detach().float().to(w.device)
     diff = qf - wf
     exact = None
@@ -64,7 +67,8 @@ def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian: tor
         signal = float(((wf @ h) * wf).sum())
         exact = float(((diff @ h) * diff).sum()) / signal if signal > 0 else None
     kurtosis, std = weight_statistics(wf)
-    return WeightError(method, diff.square().sum(dim=0), qf.square().sum(dim=0), exact, kurtosis, std)
+    return WeightError(method, diff.square().sum(dim=0), qf.square().sum(dim=0), exact, kurtosis, std,
+                       None if hessian is None else hessian_tokens)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class InputSums:
     moments: torch.Tensor  # float32 [4]
     output_squares: torch.Tensor  # float32 scalar
     tokens: torch.Tensor  # int64 scalar
+    gate: Callable[[], bool] | None = None  # whether the tokens in progress are recorded (None: all are)
 
     @classmethod
     def zeros(cls, width: int, device: torch.device) -> InputSums:
@@ -86,6 +91,9 @@ class InputSums:
         return cls(z, z.clone(), z.clone(), torch.zeros(4, dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.int64, device=device))
+
+    def active(self) -> bool:
+        return self.gate is None or self.gate()
 
     def record(self, x: torch.Tensor, x_quant: torch.Tensor | None, y: torch.Tensor) -> None:
         """One call's input x [..., in], its quantized form (None: activations stay float) and the output y."""
@@ -138,7 +146,8 @@ def report_entry(scheme: str, weight: WeightError, sums: InputSums) -> dict[str,
         "weight_error": _significant(weight_err),
         "act_error": _significant(act_err),
         "hessian": "exact" if weight.exact is not None else "diagonal",
-        "tokens": tokens,
+        "tokens": tokens,  # the tokens the report observed (spec.report_tokens)
+        "hessian_tokens": weight.hessian_tokens,  # those behind GPTQ's Hessian: every calibration token it saw
         "inputs": int(sums.squares.numel()),  # fewer tokens than inputs: a rank-deficient Hessian
         "output_energy": _significant(out_sq),  # sum over the tokens of ||y||^2: error * this is the absolute error
         "weight_kurtosis": _significant(weight.kurtosis),

@@ -106,9 +106,9 @@ def test_the_quant_report_covers_every_quantized_linear_and_agrees_across_rank_c
     for name, entry in one["linears"].items():
         other = two["linears"][name]
         assert entry["scheme"] == other["scheme"] and entry["tokens"] == other["tokens"], name
-        for key in ("error", "weight_error", "act_error", "act_absmax"):
-            assert entry[key] == pytest.approx(other[key], rel=2e-3), (name, key)
-    assert sum(e["error"] is not None for e in one["linears"].values()) > 100
+        for key in ("error", "weight_error", "act_error", "act_absmax"):  # None: no observed token reached it
+            assert entry[key] == (None if other[key] is None else pytest.approx(other[key], rel=2e-3)), (name, key)
+    assert sum(e["error"] is not None for e in one["linears"].values()) > 80
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -137,6 +137,39 @@ def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
     assert got == [[300, 280, 7, 5], [290, 8, 6]]
     assert sorted(n for share in got for n in share) == sorted(sizes)  # every sample exactly once
     assert split_samples(samples, 0, 1) == sorted(samples, key=lambda s: -s["input_ids"].shape[1])
+
+
+def test_the_report_observes_the_first_samples_of_the_dealing_order_up_to_its_token_cap():
+    from msmodelslim.pipeline.assembly import report_positions
+
+    sizes = [5, 300, 7, 280, 6, 290, 8]  # dealing order: 300, 290, 280, 8, 7, 6, 5
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long)} for n in sizes]
+    assert report_positions(samples, 580) == {0, 1}  # 300 + 290 tokens reach the cap
+    assert report_positions(samples, 591) == {0, 1, 2}
+    assert report_positions(samples, 1) == {0}  # at least one sample
+    assert report_positions(samples, None) is None  # null: every sample
+    # rank r forwards place s * world + r at step s: the places pick the same samples on any rank count
+    for world in (1, 2, 3):
+        picked = [split_samples(samples, rank, world)[step]["input_ids"].shape[1]
+                  for place in sorted(report_positions(samples, 580)) for rank, step in [(place % world, place // world)]]
+        assert picked == [300, 290], world
+
+
+def test_the_quant_report_observes_its_token_cap_on_any_rank_count_while_gptq_sees_every_token(mini_runs):
+    """spec.report_tokens 128 (conftest): the report's statistics come from the first micro-batch of the dealing
+    order (2 records of 64 tokens) on one rank and on two (rank 0 forwards it; rank 1's routed experts compute its
+    tokens too and observe them, not rank 1's own); the GPTQ Hessians of the same linears saw all 256 tokens, and
+    the expert coverage counts the Hessians'. Reference: the token counts (exact); the experts' report counts are
+    compared across rank counts by the test above."""
+    for out in (mini_runs.one, mini_runs.two):
+        report = json.loads((out / "quant_report.json").read_text())
+        linears = report["linears"]
+        replicated = [e for n, e in linears.items() if ".experts." not in n and e["hessian_tokens"] is not None]
+        assert replicated and all(e["tokens"] == 128 and e["hessian_tokens"] == 256 for e in replicated)
+        experts = [e for n, e in linears.items() if ".experts." in n]
+        assert all(e["tokens"] <= e["hessian_tokens"] for e in experts)
+        assert sum(e["tokens"] for e in experts) < sum(e["hessian_tokens"] for e in experts)
+        assert report["expert_coverage"]["tokens_max"] == max(e["hessian_tokens"] for e in experts)
 
 
 def test_the_rank_that_failed_first_is_reported(tmp_path: Path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.core.dist import SINGLE, DistContext, token_source
 from msmodelslim.model.common.utils import resolve_expert_ep_range
 from msmodelslim.model.kimi_k3.experts import KimiExpertMLP
 
@@ -63,7 +63,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         sources = [(x, topk_idx, topk_weight.float())]
 
     slots = []
-    for xs, idx, w in sources:
+    for source, (xs, idx, w) in enumerate(sources):  # each rank's tokens (the report observes some ranks' only)
         out = torch.zeros((xs.shape[0], k, width), dtype=torch.float32, device=x.device)
         # (token, slot) pairs grouped by expert with one host sync per source; the stable sort keeps each expert's
         # rows in token order, so its matmuls see the rows a per-expert scan would give
@@ -71,15 +71,16 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat + 1).tolist() if flat.numel() else []  # +1: a router's -1 (no expert) sorts first
         starts = [0, *itertools.accumulate(counts)]
-        for key, expert in experts.items():
-            e = int(key) + 1
-            routed = e < len(counts) and counts[e]
-            if all_tokens and xs.shape[0]:
-                y = expert(xs)
-            if routed:
-                sel = order[starts[e]:starts[e + 1]]
-                rows, cols = sel // k, sel % k
-                out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
+        with token_source(source if dist.is_distributed else dist.rank):
+            for key, expert in experts.items():
+                e = int(key) + 1
+                routed = e < len(counts) and counts[e]
+                if all_tokens and xs.shape[0]:
+                    y = expert(xs)
+                if routed:
+                    sel = order[starts[e]:starts[e + 1]]
+                    rows, cols = sel // k, sel % k
+                    out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
         slots.append(out)
     own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
