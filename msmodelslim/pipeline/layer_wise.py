@@ -84,26 +84,30 @@ class LayerWiseRunner:
         self._writing: Future | None = None
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
-                     keep: bool) -> list[dict[str, Any]]:
+                     keep: bool, only: set[int] | None = None) -> list[dict[str, Any]]:
         if self.profiler is None:
-            return self._forward_samples(unit, module, states, keep)
+            return self._forward_samples(unit, module, states, keep, only)
         with self.profiler.profiled(self._pass_kind):
-            return self._forward_samples(unit, module, states, keep)
+            return self._forward_samples(unit, module, states, keep, only)
 
     def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
-                         keep: bool) -> list[dict[str, Any]]:
+                         keep: bool, only: set[int] | None) -> list[dict[str, Any]]:
+        """One pass over the samples (`only`: these steps, the same on every rank, else all)."""
         steps = self.steps if self.steps is not None else len(states)
         device = self.dist.device
         self.stats.passes[unit.name] += 1
-        outputs, finite = [], []
+        outputs, finite, forwarded = [], [], []
         kept = 0
         with torch.no_grad():
             for step in range(steps):
+                if only is not None and step not in only:
+                    continue
                 if self.report is not None:
                     self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
                 if step < len(states):
                     out = self.adapter.forward_unit(unit, module, _to_device(loaded(states[step]), device))
                     finite.append(all_finite(out))  # every pass: observers must never see a NaN
+                    forwarded.append(step)
                     if keep:
                         host = _to_host(out)
                         if self.spill is not None:
@@ -117,7 +121,7 @@ class LayerWiseRunner:
         if keep and device.type != "cpu":
             synchronize(device)  # the host copies of the outputs are complete
         flags = [f for f in finite if f is not None]
-        bad = [i for i, flag in enumerate(finite) if flag is not None and not bool(flag)] \
+        bad = [step for step, flag in zip(forwarded, finite) if flag is not None and not bool(flag)] \
             if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
         if bad:
             culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
@@ -227,8 +231,10 @@ class LayerWiseRunner:
                     states = self._run_samples(unit, module, states, keep=True)
                     if self.spill is not None and self.resume is None:
                         self.spill.drop_before(i)  # the inputs of this unit are needed no more
-                elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone
-                    self._run_samples(unit, module, states, keep=False)
+                elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone, on its samples
+                    self._run_samples(unit, module, states, keep=False,
+                                      only=self.report.steps_observed(
+                                          self.steps if self.steps is not None else len(states)))
                 self.stats.add("calibrate", time.perf_counter() - t0)
                 if watched:
                     t0 = time.perf_counter()

@@ -3,10 +3,11 @@ statistics (quant/sensitivity.py), from the forward the runner makes anyway: no 
 
 Per unit, `watch` gives each QuantLinear an input-sums observer for the runner's forward of the quantized unit
 (the one that makes the next unit's inputs; the last unit feeds nothing, so its forward runs for the report only
-when it holds a quantized linear), active on the samples `spec.report_tokens` selects (`observe_step`: the first
-of the global order, so past them a calibration token costs the report nothing); `finish_unit` sums the replicated linears' sums over the data-parallel ranks
-(float32: the report is a diagnostic, its numbers are kept to 4 significant digits and agree across rank counts
-within that; routed experts under EP already saw every rank's tokens) and makes each linear's entry. The entries
+when it holds a quantized linear), recording the samples `spec.report_tokens` selects (the first of the global
+order, so past them a calibration token costs the report nothing); `finish_unit` sums the replicated linears' sums
+over the data-parallel ranks (float32: the report is a diagnostic, its numbers are kept to 4 significant digits and
+agree across rank counts within that; routed experts under EP already saw every rank's tokens) and makes each
+linear's entry. The entries
 are part of a rank's resumable state. At the end every rank writes its part and rank 0 merges them into
 `quant_report.json` and logs the worst linears.
 """
@@ -54,6 +55,13 @@ class QuantReport:
     def observe_step(self, step: int) -> None:
         """Before the forward of this rank's sample `step`."""
         self._step = step
+
+    def steps_observed(self, steps: int) -> set[int] | None:
+        """The steps at which some rank forwards an observed sample (the same on every rank); None: all."""
+        if self.positions is None:
+            return None
+        world = self.dist.world_size
+        return {s for s in range(steps) if any(s * world + r in self.positions for r in range(world))}
 
     def _observes(self) -> bool:
         """Whether the tokens in progress are observed: those of the sample the rank they come from forwards now
