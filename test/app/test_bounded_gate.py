@@ -1,6 +1,7 @@
 """Kimi-K3's released config may bound the KDA forget gate (`linear_attn_config.gate_lower_bound`, -5.0 in the
 public kernel tests): g = lb * sigmoid(exp(A_log) * (g + dt_bias)) instead of -exp(A_log) * softplus(g + dt_bias).
-Reference: the tiny Kimi-K3 with that field added; our gate kernel is called with the bound (a spy on
+Reference: the tiny Kimi-K3 with that field (its presets' default) and without it (null: the softplus gate); our
+gate kernel is called with the bound (a spy on
 ops.kda.kda_gate; the kernel itself is held to fla's naive bounded gate in test/ops/test_kda.py), quant and eval run,
 and a bound outside vLLM's [-5, 0) is one error line."""
 
@@ -30,8 +31,9 @@ def bounded_copy(tiny_k3_checkpoint: Path, tmp_path: Path, bound: object) -> Pat
     return model
 
 
-def test_a_bounded_gate_checkpoint_calibrates_with_its_bound_and_evaluates(tiny_k3_checkpoint, tmp_path, monkeypatch):
-    model = bounded_copy(tiny_k3_checkpoint, tmp_path, -5.0)
+@pytest.mark.parametrize("bound", [-5.0, None], ids=["bounded (the presets' default)", "unbounded (null)"])
+def test_a_checkpoint_calibrates_with_its_gate_bound_and_evaluates(tiny_k3_checkpoint, tmp_path, monkeypatch, bound):
+    model = bounded_copy(tiny_k3_checkpoint, tmp_path, bound)
     bounds, real = [], kda.kda_gate
 
     def spy(*args, lower_bound=None, **kwargs):
@@ -46,7 +48,7 @@ def test_a_bounded_gate_checkpoint_calibrates_with_its_bound_and_evaluates(tiny_
     out = tmp_path / "out"
     assert main(["quant", "--model_path", str(model), "--save_path", str(out), "--device", "cpu", "--model_type",
                  "Kimi-K3", "--config_path", str(path), "--trust_remote_code", "True"]) == 0
-    assert bounds and set(bounds) == {-5.0}
+    assert bounds and set(bounds) == {bound}
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     assert main(["eval", "--model_path", str(model), "--quant_path", str(out), "--dataset", str(text),
