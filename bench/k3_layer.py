@@ -116,8 +116,10 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                                  args.max_seq_len, dataset=folder,
                                  spec=None if batch is None else {"micro_batch_tokens": batch})
 
-    for tree in trees.values():  # Triton compilation and autotuning (fla caches it on disk), not timed
-        run_quant(model, out, args.device, practice_for(sizes[0], batches[0]), extra_env=_tree_env(tree))
+    # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
+    # micro-batch size autotuned again (2.5 min inside a timed run on the H200), so each variant warms up
+    for tree, batch in variants.values():
+        run_quant(model, out, args.device, practice_for(sizes[0], batch), extra_env=_tree_env(tree))
     if args.profile:  # each calibration pass's operators, one run at the smallest size (printed, not in the JSON)
         prefix = BENCH_OUT / "k3_layer_profile"
         for batch in batches:
