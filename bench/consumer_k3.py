@@ -1,16 +1,18 @@
-"""Acceptance on the real consumer: every shipped Kimi-K3 practice's output of the tiny Kimi-K3 (and of a bounded-gate
-tiny Kimi-K3), loaded by vllm-ascend's own `AscendKimiK3ForConditionalGeneration` (branch releases/v0.26.0rc, on
-vLLM 0.26.0, CPU, NPU pieces stubbed as that branch's unit tests stub them): its scheme lookups, then its
-`load_weights` (bench/consumer_k3/load.py says what is counted). The consumer lives in a venv of its own:
+"""Acceptance on the real consumer: every shipped Kimi-K3 practice's output of the tiny Kimi-K3 (bounded KDA gate, the
+presets' default; and of an unbounded-gate tiny Kimi-K3), loaded by vllm-ascend's own
+`AscendKimiK3ForConditionalGeneration` (branch releases/v0.26.0rc, on vLLM 0.26.0, CPU, NPU pieces stubbed as that
+branch's unit tests stub them): its scheme lookups, then its `load_weights` (bench/consumer_k3/load.py says what is
+counted). The consumer lives in a venv of its own:
 
     bash bench/consumer_k3/setup.sh /work/consumer            # once: fetch github:vllm-project/vllm-ascend first
     python bench/consumer_k3.py --consumer /work/consumer
 
 Outputs are made as the consumer tests make them (test/consumer/outputs.py: 2 records of <= 64 tokens, min/max
-weights; names, schemes and layouts do not depend on the integers), plus `kimi_k3_w4a8` of a bounded-gate tiny
-Kimi-K3 and the per-group practice (groups of 64) of a tiny Kimi-K3 whose expert linears are one and two groups wide. Expected: 0 failed lookups, 0 unused tensors
-but the MTP layers' (which this class skips), 0 unwritten parameters but the derived conv ones, and rot_proj kept
-exactly when the output carries it. The JSON line lists every output's counts.
+weights; names, schemes and layouts do not depend on the integers), plus `kimi_k3_w4a8` of an unbounded-gate tiny
+Kimi-K3 (`gate_lower_bound: null`) and the per-group practice (groups of 64) of a tiny Kimi-K3 whose expert linears
+are one and two groups wide. Expected: 0 failed lookups, 0 unused tensors but the MTP layers' (which this class
+skips), 0 unwritten parameters but the derived conv ones, and rot_proj kept exactly when the output carries it. The
+JSON line lists every output's counts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from runner.dp_helpers import shrunken_practice  # noqa: E402
 
 from msmodelslim.app.quant import QuantArgs, quant  # noqa: E402
 
-BOUNDED_GATE = "text_config.linear_attn_config.gate_lower_bound=-5.0"
+UNBOUNDED_GATE = "text_config.linear_attn_config.gate_lower_bound=null"  # the presets bound it (-5.0)
 MIXED_WIDTHS = "text_config.moe_intermediate_size=128"  # expert w2 twice as wide as w1/w3
 
 
@@ -69,12 +71,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-consumer-k3-") as tmp:
         root = Path(tmp)
         variants = {}
-        for name, setting in (("bounded-gate", BOUNDED_GATE), ("mixed-widths", MIXED_WIDTHS)):
+        for name, setting in (("unbounded-gate", UNBOUNDED_GATE), ("mixed-widths", MIXED_WIDTHS)):
             variants[name] = root / f"Kimi-K3-tiny-{name}"
             subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(variants[name]),
                             "--seed", "0", "--set", setting], check=True, capture_output=True)
         cases = [(generated_checkpoint("tiny"), p, TINY_GROUP) for p in sorted(PRACTICES.glob("kimi_k3_*.yaml"))]
-        cases.append((variants["bounded-gate"], PRACTICES / "kimi_k3_w4a8.yaml", TINY_GROUP))
+        cases.append((variants["unbounded-gate"], PRACTICES / "kimi_k3_w4a8.yaml", TINY_GROUP))
         # per group of 64: w1/w3 read 64 inputs (one group, issue 32's case (a)), w2 reads 128 (two)
         cases.append((variants["mixed-widths"], PRACTICES / "kimi_k3_w4a8_pergroup.yaml", 64))
         for checkpoint, practice, group in cases:
