@@ -7,7 +7,7 @@ random words, bench/k3_layer.py's generator). For each size: the runner's wall t
 layer, with nothing observed (what `msmodelslim eval` does twice per token: original and quantized). The marginal
 cost per token is the slope between the sizes; the target is runner <= 3 x forward.
 
-    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096]
+    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096 --host-state-gib 0]
 Prints one JSON line last.
 """
 
@@ -27,6 +27,7 @@ from msmodelslim.core.calib import load_calib_records  # noqa: E402
 from msmodelslim.core.config import DEFAULT_MICRO_BATCH_TOKENS  # noqa: E402
 from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter  # noqa: E402
 from msmodelslim.pipeline.assembly import micro_batches  # noqa: E402
+from msmodelslim.pipeline.spill import BUDGET_ENV  # noqa: E402
 
 MINI = SHARED / "models" / "kimi-linear-mini"
 PRACTICE = ROOT / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8.yaml"
@@ -61,6 +62,8 @@ def main() -> None:
     p.add_argument("--report-tokens", type=int, default=None,
                    help="spec.report_tokens (default the practice's, 65,536): below the smaller size, the marginal "
                         "cost is that of a token past the report's cap")
+    p.add_argument("--host-state-gib", type=float, default=None,
+                   help="$MSMODELSLIM_HOST_STATE_GIB for the runner (0: every micro-batch's state spilled to disk)")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     rows = []
@@ -71,7 +74,9 @@ def main() -> None:
             spec["report_tokens"] = args.report_tokens
         practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
                                      dataset=folder, spec=spec)
-        run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear")["ranks"][0]
+        env = {} if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
+        run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear",
+                        extra_env=env)["ranks"][0]
         forward = plain_forward_s(folder, records, args.max_seq_len)
         rows.append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2), "forward_s": round(forward, 3),
                      "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
@@ -85,7 +90,7 @@ def main() -> None:
     stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
     print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
                   "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
-                  "report_tokens": args.report_tokens,
+                  "report_tokens": args.report_tokens, "host_state_gib": args.host_state_gib,
                   "max_seq_len": args.max_seq_len, "sizes": rows,
                   "runner_marginal_ms_per_token": round(runner_ms, 4),
                   "forward_marginal_ms_per_token": round(forward_ms, 4),
