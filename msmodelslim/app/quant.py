@@ -596,7 +596,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     """`--plan`: every check of a run before compute, in the same order and with the same errors, then what the
     run would do (app/plan.py). Reads headers only and writes nothing."""
     from msmodelslim.app.plan import build_plan
-    from msmodelslim.pipeline.launch import prepare_run
+    from msmodelslim.pipeline.assembly import prepare_run, sample_tokens
 
     checked = check_request(args, TorchrunRank.from_environment())  # under torchrun: the job's rank count
     _check_save_path(checked.model_path, checked.save_path)
@@ -607,9 +607,9 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)
     try:
         samples, processors = prepare_run(adapter, checked.records, spec, world=checked.device.world_size)
-        tokens = sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s)
+        tokens = sum(map(sample_tokens, samples))
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
-        largest = max((int(s["input_ids"].numel()) for s in samples if "input_ids" in s), default=0)
+        largest = max(map(sample_tokens, samples), default=0)
         result = build_plan(adapter, processors, save_config, checked.device.world_size, checked.device.type,
                             tokens, len(samples), largest)
     finally:

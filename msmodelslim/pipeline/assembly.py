@@ -33,8 +33,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)
-    check_host_memory(adapter, sum(int(s["input_ids"].numel()) for s in samples if "input_ids" in s),
-                      world or adapter.dist.world_size)
+    check_host_memory(adapter, sum(map(sample_tokens, samples)), world or adapter.dist.world_size)
     processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
                                 adapter)
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
@@ -93,6 +92,11 @@ def _mtp_fallback(adapter: ModelAdapter, spec: Any) -> list[FallbackConfig]:
     return [entry]
 
 
+def sample_tokens(sample: dict[str, Any]) -> int:
+    """The calibration tokens of a sample (a micro-batch: every record's token ids)."""
+    return int(sample["input_ids"].numel()) if "input_ids" in sample else 0
+
+
 def _sample_size(sample: dict[str, Any]) -> int:
     return sum(v.numel() for v in sample.values() if isinstance(v, torch.Tensor))
 
@@ -130,7 +134,7 @@ def micro_batches(samples: list[dict[str, Any]], max_tokens: int | None) -> list
     for i in order:
         sample = samples[i]
         key = _stack_key(sample)
-        tokens = sample["input_ids"].numel() if "input_ids" in sample else 0
+        tokens = sample_tokens(sample)
         if key is None or key != group_key or (len(group) + 1) * tokens > max_tokens:
             close()
         group.append(sample)
@@ -163,7 +167,7 @@ def report_positions(samples: list[dict[str, Any]], tokens: int | None) -> set[i
         if seen >= tokens:
             break
         places.add(place)
-        seen += int(samples[index]["input_ids"].numel()) if "input_ids" in samples[index] else 0
+        seen += sample_tokens(samples[index])
     return places
 
 

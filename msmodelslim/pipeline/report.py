@@ -120,8 +120,9 @@ class QuantReport:
 
 def expert_coverage(experts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """How many calibration tokens the routed experts' linears saw (min / median / max; their Hessians' counts where
-    GPTQ had one, every calibration token, else the report's own), and those that saw fewer than their inputs: their Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means
-    min/max rounding for a weight no token tested). Logged as a warning naming them; None without experts."""
+    GPTQ had one, every calibration token, else the report's own), and those that saw fewer than their inputs: their
+    Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means min/max rounding for a
+    weight no token tested). Logged as a warning naming them; None without experts."""
     if not experts:
         return None
     seen = {n: e["tokens"] if e.get("hessian_tokens") is None else e["hessian_tokens"] for n, e in experts.items()}
