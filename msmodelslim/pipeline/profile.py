@@ -20,6 +20,14 @@ import torch
 from msmodelslim.core.device import synchronize
 
 PROFILE_ENV = "MSMODELSLIM_PROFILE"  # a file prefix: `<prefix>.rank<r>`
+# Operators that only make a new view of a tensor (no device kernel): left out of the leaf count
+_METADATA_OPS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::slice", "aten::select",
+                           "aten::t", "aten::transpose", "aten::permute", "aten::expand", "aten::unsqueeze",
+                           "aten::squeeze", "aten::as_strided", "aten::detach", "aten::alias", "aten::empty",
+                           "aten::empty_strided", "aten::resize_", "aten::lift_fresh", "aten::split",
+                           "aten::unbind", "aten::narrow", "aten::chunk", "aten::result_type", "aten::item",
+                           "aten::_local_scalar_dense", "aten::is_nonzero", "aten::expand_as", "aten::view_as",
+                           "aten::numpy_T", "aten::contiguous", "aten::_reshape_alias", "detach"})
 
 
 class PassProfiler:
@@ -31,6 +39,9 @@ class PassProfiler:
         # per pass kind, per operator: [calls, host microseconds, device microseconds]
         self.ops: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
         self.kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # per pass kind: [launches, device us]
+        # per pass kind: leaf operators that compute (no operator below them, not a view): on an accelerator about
+        # one kernel launch each, so a CPU run counts the launches a pass would make there
+        self.leaves: dict[str, int] = defaultdict(int)
 
     @contextlib.contextmanager
     def profiled(self, kind: str) -> Iterator[None]:
@@ -43,6 +54,8 @@ class PassProfiler:
             synchronize(self.device)
         self.walls[kind] += time.perf_counter() - start
         self.passes[kind] += 1
+        self.leaves[kind] += sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
+                                 and not e.cpu_children and e.name not in _METADATA_OPS)
         for event in prof.key_averages():
             device_us = float(getattr(event, "self_device_time_total", 0.0))
             if event.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or a device copy / memset)
@@ -60,12 +73,15 @@ class PassProfiler:
             launches, device_us = self.kernels[kind]
             host_us = sum(r[1] for r in self.ops[kind].values())
             lines.append(f"== {kind}: {self.passes[kind]} passes, wall {self.walls[kind]:.3f} s, host operators "
-                         f"{host_us / 1e6:.3f} s, {int(launches)} device kernels taking {device_us / 1e6:.3f} s")
+                         f"{host_us / 1e6:.3f} s, {self.leaves[kind]} leaf operators, {int(launches)} device kernels taking "
+                         f"{device_us / 1e6:.3f} s")
             rows = sorted(self.ops[kind].items(), key=lambda kv: (kv[1][2], kv[1][1]), reverse=True)[:top]
             lines.append(f"{'operator':<60} {'calls':>9} {'host s':>9} {'device s':>9}")
             lines += [f"{name[:60]:<60} {int(r[0]):>9} {r[1] / 1e6:>9.4f} {r[2] / 1e6:>9.4f}" for name, r in rows]
             by_host = sorted(self.ops[kind].items(), key=lambda kv: kv[1][1], reverse=True)[:10]
             lines.append("  by host time: " + ", ".join(f"{n} {r[1] / 1e6:.3f} s ({int(r[0])})" for n, r in by_host))
+            by_calls = sorted(self.ops[kind].items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+            lines.append("  by calls: " + ", ".join(f"{n} {int(r[0])}" for n, r in by_calls))
         path.write_text("\n".join(lines) + "\n")
 
 

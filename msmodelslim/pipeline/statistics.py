@@ -30,6 +30,7 @@ from msmodelslim.errors import UserError
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
 TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
+TOKEN_RANGE_CHUNK_ELEMENTS = 1 << 26  # candidate x row x channel products held at once (256 MB of float32)
 
 KINDS: list[type[Statistic]] = []
 
@@ -221,12 +222,19 @@ class TokenRanges(Statistic):
 
     def record(self, name: str, x: torch.Tensor) -> None:
         inv = self.request.token_ranges[name].to(x.device, torch.float32)
-        quanta = self.quanta[name].to(x.device)
+        quanta = self.quanta[name].to(x.device)[:, None]
         xa = x.abs().float()
-        sums = torch.stack([torch.round((xa * inv[c]).amax(dim=-1).square() / quanta[c]).to(torch.int64).sum()
-                            for c in range(inv.shape[0])])
-        prev = self.sums.get(name)
-        self.sums[name] = sums if prev is None else prev.add_(sums)
+        # every candidate at once, in row chunks of at most TOKEN_RANGE_CHUNK_ELEMENTS products: a routed expert's
+        # call brings a few rows and a loop over candidates cost a few launches per candidate (the same values: a
+        # product, an exact max, the same rounding per element)
+        rows = max(1, TOKEN_RANGE_CHUNK_ELEMENTS // max(1, inv.numel()))
+        sums = self.sums.get(name)
+        for chunk in xa.split(rows):
+            peaks = (chunk[None] * inv[:, None, :]).amax(dim=-1)  # [candidates, rows]
+            part = torch.round(peaks.square() / quanta).to(torch.int64).sum(dim=-1)
+            sums = part if sums is None else sums.add_(part)
+        if sums is not None:
+            self.sums[name] = sums
         self.counts[name] = self.counts.get(name, 0) + x.shape[0]
         if self.counts[name] > TOKEN_RANGE_MAX_TOKENS:
             raise UserError(_too_many_tokens(name, TOKEN_RANGE_MAX_TOKENS))

@@ -83,6 +83,28 @@ def test_token_ranges_do_not_depend_on_the_order_or_grouping_of_tokens():
     assert float(((one.token_ranges["a"] - ref) / ref).abs().max()) < 1e-6  # float32 per token (no device float64)
 
 
+def test_token_ranges_of_all_candidates_at_once_equal_one_candidate_at_a_time(monkeypatch):
+    """The record multiplies every candidate at once, in row chunks (a routed expert's call has a few rows): the
+    int64 sums must be bit-identical to summing each candidate on its own, with chunks of 1 row and of many."""
+    from msmodelslim.pipeline import statistics
+
+    x = tokens(2)
+    module = two_readers()
+    inv = 1.0 / torch.stack([torch.ones(12), torch.linspace(0.5, 3, 12), torch.linspace(4, 0.2, 12)]).double()
+    ranges = observe(context(module, [x]), Observe(absmax=("a",))).absmax
+    found = {}
+    for elements in (1, 3 * 12 * 7, 1 << 26):  # one row per chunk, 7 rows, all rows
+        monkeypatch.setattr(statistics, "TOKEN_RANGE_CHUNK_ELEMENTS", elements)
+        found[elements] = observe(context(module, [x[:50], x[50:]]), Observe(token_ranges={"a": inv},
+                                                                               ranges=ranges)).token_ranges["a"]
+    stat = statistics.TokenRanges(Observe(token_ranges={"a": inv}, ranges=ranges), ranges, torch.device("cpu"))
+    quanta = stat.quanta["a"]
+    one_at_a_time = torch.stack([torch.round((x.abs() * inv[c].float()).amax(-1).square() / quanta[c])
+                                 .to(torch.int64).sum() for c in range(3)]).float() * quanta
+    for value in found.values():
+        assert torch.equal(value, one_at_a_time)
+
+
 def test_a_hessian_does_not_depend_on_how_its_tokens_were_split_into_calls():
     """A routed expert gets its tokens in the global order of the micro-batches but in calls whose sizes depend on
     the rank count: its Hessian must not (rows are summed in chunks of HESSIAN_CHUNK_TOKENS whatever the calls)."""

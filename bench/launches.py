@@ -1,0 +1,85 @@
+"""Kernel launches per calibration pass of one Kimi-K3 MoE layer as one rank of EP 8 holds it, counted on the CPU.
+
+On the H200 the passes are bound by their launches (BENCHMARKS.md, issue 31: ~16,000 kernels per 8,192-token
+micro-batch pass, the GPU busy a tenth of the wall). A launch is one computing operator, and the operators a pass
+runs do not depend on the layer's widths, so this bench counts them on the CPU: the `layer` preset's structure (one
+KDA layer with attention residuals, a latent MoE of 112 SiTU experts at top-2, two shared experts) with every width
+shrunk, the shipped `kimi_k3_w4a8` practice, generated long records (one in 8 image+text) in micro-batches of
+`--micro-batch-tokens`. `$MSMODELSLIM_PROFILE` counts the leaf operators of each pass kind (pipeline/profile.py:
+operators with none below them that are not views); the JSON gives them per pass and micro-batch of the decoder
+layer's unit, next to the H200's kernel counts of the full-size layer.
+
+    python bench/launches.py [--tokens 16384 --micro-batch-tokens 8192]
+Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.k3_layer import EXPERTS_PER_RANK, TOPK_PER_RANK, long_record_set  # noqa: E402
+
+# the `layer` preset's structure at widths a CPU runs in seconds
+SHRUNK = {
+    "text_config.hidden_size": 256, "text_config.intermediate_size": 512, "text_config.vocab_size": 1024,
+    "text_config.linear_attn_config.num_heads": 2, "text_config.linear_attn_config.head_dim": 64,
+    "text_config.num_attention_heads": 2, "text_config.qk_nope_head_dim": 32, "text_config.qk_rope_head_dim": 16,
+    "text_config.v_head_dim": 32, "text_config.kv_lora_rank": 64, "text_config.q_lora_rank": 96,
+    "text_config.moe_intermediate_size": 64, "text_config.routed_expert_hidden_size": 128,
+    "text_config.num_experts": EXPERTS_PER_RANK, "text_config.num_experts_per_token": TOPK_PER_RANK,
+}
+# The H200's counts of the full-size layer (session 18, 2 micro-batches of 8,192 tokens; all units' passes)
+H200_KERNELS = {"calibrate": 69684, "iter_smooth": 53423, "linear_quant": 42376}
+_KIND = re.compile(r"^== (\S+): (\d+) passes, wall ([\d.]+) s, host operators ([\d.]+) s, (\d+) leaf operators")
+
+
+def shrunk_layer_checkpoint() -> Path:
+    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank-shrunk"
+    if not (model / "model.safetensors.index.json").is_file():
+        sets = [arg for key, value in SHRUNK.items() for arg in ("--set", f"{key}={value}")]
+        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model), *sets],
+                       check=True)
+    return model
+
+
+def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, extra_env: dict | None = None) -> dict:
+    folder, records = long_record_set(tokens, seq_len)
+    shrunk = shrunken_practice(practice, BENCH_OUT / f"launches_practice_{tokens}_{batch}.yaml", records, seq_len,
+                               dataset=folder, spec={"micro_batch_tokens": batch})
+    prefix = BENCH_OUT / "launches_profile"
+    run = run_quant(model, BENCH_OUT / "Kimi-K3-layer-shrunk-w4a8", "cpu", shrunk,
+                    extra_env={"MSMODELSLIM_PROFILE": str(prefix), **(extra_env or {})})
+    kinds = {}
+    for line in Path(f"{prefix}.rank0").read_text().splitlines():
+        if m := _KIND.match(line):
+            kinds[m.group(1)] = {"passes": int(m.group(2)), "wall_s": float(m.group(3)),
+                                 "leaf_operators": int(m.group(5))}
+    return {"kinds": kinds, "runner_wall_s": round(run["ranks"][0]["runner_wall"], 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
+    args = p.parse_args()
+    model = shrunk_layer_checkpoint()
+    result = count(model, args.tokens, args.max_seq_len, args.micro_batch_tokens, Path(args.practice))
+    micro_batches = -(-args.tokens // args.micro_batch_tokens)
+    for kind, row in result["kinds"].items():
+        row["h200_full_size_kernels"] = H200_KERNELS.get(kind)
+        row["leaf_operators_per_token"] = round(row["leaf_operators"] / args.tokens, 3)
+    print_result({"bench": "launches", "machine": machine(), "tokens": args.tokens,
+                  "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": micro_batches,
+                  "practice": Path(args.practice).name, "shrunk": SHRUNK, **result})
+
+
+if __name__ == "__main__":
+    main()
