@@ -48,13 +48,14 @@ def shrunk_layer_checkpoint() -> Path:
     return model
 
 
-def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, extra_env: dict | None = None) -> dict:
+def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, report: bool = True) -> dict:
     folder, records = long_record_set(tokens, seq_len)
     shrunk = shrunken_practice(practice, BENCH_OUT / f"launches_practice_{tokens}_{batch}.yaml", records, seq_len,
                                dataset=folder, spec={"micro_batch_tokens": batch})
     prefix = BENCH_OUT / "launches_profile"
     run = run_quant(model, BENCH_OUT / "Kimi-K3-layer-shrunk-w4a8", "cpu", shrunk,
-                    extra_env={"MSMODELSLIM_PROFILE": str(prefix), **(extra_env or {})})
+                    extra_env={"MSMODELSLIM_PROFILE": str(prefix),
+                               **({} if report else {"MSMODELSLIM_BENCH_NO_REPORT": "1"})})
     kinds = {}
     for line in Path(f"{prefix}.rank0").read_text().splitlines():
         if m := _KIND.match(line):
@@ -68,15 +69,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--no-report", action="store_true", help="without the quant report: what a token past "
+                                                               "spec.report_tokens costs")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     args = p.parse_args()
     model = shrunk_layer_checkpoint()
-    result = count(model, args.tokens, args.max_seq_len, args.micro_batch_tokens, Path(args.practice))
+    result = count(model, args.tokens, args.max_seq_len, args.micro_batch_tokens, Path(args.practice),
+                   report=not args.no_report)
     micro_batches = -(-args.tokens // args.micro_batch_tokens)
     for kind, row in result["kinds"].items():
         row["h200_full_size_kernels"] = H200_KERNELS.get(kind)
         row["leaf_operators_per_token"] = round(row["leaf_operators"] / args.tokens, 3)
-    print_result({"bench": "launches", "machine": machine(), "tokens": args.tokens,
+    print_result({"bench": "launches", "machine": machine(), "tokens": args.tokens, "report": not args.no_report,
                   "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": micro_batches,
                   "practice": Path(args.practice).name, "shrunk": SHRUNK, **result})
 

@@ -106,3 +106,115 @@ def test_calibrating_all_experts_feeds_every_expert_every_token_and_keeps_the_ro
         seen.update({key: 0 for key in seen})
         patched(x)  # the switch is off again outside the context
     assert seen == routed_rows
+
+
+def _expert_block(kind: str, seed: int = 0) -> torch.nn.ModuleDict:
+    """Six bf16 experts of one rank (keys 2..7, a contiguous EP range), plain or quantized as linear_quant leaves
+    them: W4A8 per channel, W4A8 per group of 8, or W8A8."""
+    from msmodelslim.model.kimi_k3.experts import KimiExpertMLP
+    from msmodelslim.quant.granularity import int4
+    from msmodelslim.quant.modules import QuantLinear, quantize_weight
+
+    torch.manual_seed(seed)
+    experts = torch.nn.ModuleDict({str(e): KimiExpertMLP(32, 24, dtype=torch.bfloat16) for e in range(2, 8)})
+    if kind == "float":
+        return experts
+    for expert in experts.values():
+        for name in ("w1", "w2", "w3"):
+            linear = getattr(expert, name)
+            if kind == "w4a8_group":
+                q = quantize_weight(linear.weight.detach(), int4, "minmax", group_size=8)
+                setattr(expert, name, QuantLinear.from_linear(linear, "W4A8_DYNAMIC", quantized=q, group_size=8))
+            else:
+                scheme = {"w4a8": "W4A8_DYNAMIC", "w8a8": "W8A8_DYNAMIC"}[kind]
+                setattr(expert, name, QuantLinear.from_linear(linear, scheme, weight_method="minmax"))
+    return experts
+
+
+def _routing(tokens: int = 40, k: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 32, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 9, (tokens, k), generator=g)  # experts 0, 1 and 8 live on other ranks
+    idx[idx == 5] = 6  # expert 5 gets no token
+    return x, idx, torch.rand(tokens, k, generator=g)
+
+
+def _expert_by_expert(experts: torch.nn.ModuleDict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+                      ) -> torch.Tensor:
+    """The reference: each expert called as a module on its rows in token order (nonzero over the table)."""
+    out = torch.zeros(*idx.shape, x.shape[1])
+    for key, expert in experts.items():
+        rows, cols = torch.nonzero(idx == int(key), as_tuple=True)
+        if rows.numel():
+            out[rows, cols] = expert(x[rows]).float() * w[rows, cols, None]
+    return out.sum(dim=1).to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["float", "w4a8", "w4a8_group", "w8a8"])
+def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind):
+    """A rank's experts run as one group (one gather, one activation, each input quantized per token once, one
+    scatter). Reference: each expert called on its rows; tolerance: none (every row's arithmetic is the same)."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3 import ep_patches
+
+    experts = _expert_block(kind)
+    x, idx, w = _routing()
+    groups = []
+    original = ep_patches._grouped_experts
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ep_patches, "_grouped_experts", lambda *a: groups.append(1) or original(*a))
+        grouped = ep_patches.ep_moe_infer(experts, x, idx, w, SINGLE)
+        assert groups, "the grouped path was not taken"
+        assert torch.equal(grouped, _expert_by_expert(experts, x, idx, w))
+
+
+def test_grouped_experts_fill_the_quant_report_as_each_expert_would():
+    """The report's InputSums of every expert after a grouped forward equal those of calling each expert on its rows
+    (bit for bit: the same rows, the same float32 reductions per expert)."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.quant.sensitivity import InputSums
+
+    x, idx, w = _routing()
+    blocks = [_expert_block("w4a8"), _expert_block("w4a8")]
+    for block in blocks:
+        for expert in block.values():
+            for name in ("w1", "w2", "w3"):
+                getattr(expert, name).observer = InputSums.zeros(getattr(expert, name).in_features, torch.device("cpu"))
+    with torch.no_grad():
+        ep_moe_infer(blocks[0], x, idx, w, SINGLE)
+        _expert_by_expert(blocks[1], x, idx, w)
+    for key in blocks[0]:
+        for name in ("w1", "w2", "w3"):
+            a, b = getattr(blocks[0][key], name).observer, getattr(blocks[1][key], name).observer
+            for field in ("squares", "act_error", "absmax", "moments", "output_squares", "tokens"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (key, name, field)
+
+
+def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and_w3():
+    """Statistics hooks see, per expert, the rows it would be called on (w1 and w3 the very same tensor, which is how
+    readers of one input share a Hessian); an expert with a hook of its own is called as a module."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+
+    experts = _expert_block("float")
+    x, idx, w = _routing()
+    seen: dict[tuple[str, str], torch.Tensor] = {}
+    for key, expert in experts.items():
+        for name in ("w1", "w3", "w2"):
+            getattr(expert, name).register_forward_pre_hook(
+                lambda _m, args, k=key, n=name: seen.__setitem__((k, n), args[0]))
+    with torch.no_grad():
+        ep_moe_infer(experts, x, idx, w, SINGLE)
+        for key, expert in experts.items():
+            rows, _ = torch.nonzero(idx == int(key), as_tuple=True)
+            if not rows.numel():
+                assert (key, "w1") not in seen
+                continue
+            assert seen[(key, "w1")] is seen[(key, "w3")]
+            assert torch.equal(seen[(key, "w1")], x[rows])
+            assert torch.equal(seen[(key, "w2")], expert.act_fn(expert.w1(x[rows]), expert.w3(x[rows])))
+        called = []
+        experts["3"].register_forward_hook(lambda *_: called.append(1))
+        assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
+        assert called == [1, 1]  # in the dispatch and in the reference: expert by expert

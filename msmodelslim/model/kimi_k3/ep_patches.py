@@ -25,6 +25,7 @@ from torch import nn
 from msmodelslim.core.dist import SINGLE, DistContext, token_source
 from msmodelslim.model.common.utils import resolve_expert_ep_range
 from msmodelslim.model.kimi_k3.experts import KimiExpertMLP
+from msmodelslim.quant.modules import linears_over_row_groups
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +73,56 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         counts = torch.bincount(flat + 1).tolist() if flat.numel() else []  # +1: a router's -1 (no expert) sorts first
         starts = [0, *itertools.accumulate(counts)]
         with token_source(source if dist.is_distributed else dist.rank):
-            for key, expert in experts.items():
-                e = int(key) + 1
-                routed = e < len(counts) and counts[e]
-                if all_tokens and xs.shape[0]:
-                    y = expert(xs)
-                if routed:
-                    sel = order[starts[e]:starts[e + 1]]
-                    rows, cols = sel // k, sel % k
-                    out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
+            spans = [(expert, starts[e], starts[e + 1]) for key, expert in experts.items()
+                     if (e := int(key) + 1) < len(counts) and counts[e]]
+            if not all_tokens and spans and _groupable(experts, spans):
+                first, end = spans[0][1], spans[-1][2]
+                sel = order[first:end]
+                rows, cols = sel // k, sel % k
+                y = _grouped_experts(spans, xs[rows], first)
+                out[rows, cols] = y.float() * w[rows, cols, None]
+            else:
+                for key, expert in experts.items():
+                    e = int(key) + 1
+                    routed = e < len(counts) and counts[e]
+                    if all_tokens and xs.shape[0]:
+                        y = expert(xs)
+                    if routed:
+                        sel = order[starts[e]:starts[e + 1]]
+                        rows, cols = sel // k, sel % k
+                        out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
         slots.append(out)
     own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
+
+
+# Expert classes computing w2(act_fn(w1 x, w3 x)) and nothing else: the stand-in's (remote code, built from vLLM's
+# Kimi-K3) and ours for transformers' fused experts. Another class is run expert by expert.
+GROUPABLE_EXPERTS = frozenset({"KimiBlockSparseMLP", "KimiExpertMLP"})
+
+
+def _groupable(experts: nn.ModuleDict, spans: list[tuple[nn.Module, int, int]]) -> bool:
+    """Whether the routed experts can run as one group: a known class, one activation, no hook on an expert itself
+    (a NaN trace hooks every module: it runs expert by expert), and their (token, slot) picks consecutive in the
+    sorted order (this rank's experts are one range)."""
+    first = spans[0][0]
+    kind = (type(first), type(first.act_fn), first.act_fn.extra_repr()) if hasattr(first, "act_fn") else None
+    if kind is None or kind[0].__name__ not in GROUPABLE_EXPERTS:
+        return False
+    return all((type(m), type(m.act_fn), m.act_fn.extra_repr()) == kind and not m._forward_hooks
+               and not m._forward_pre_hooks for m in experts.values()) \
+        and all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+
+
+def _grouped_experts(spans: list[tuple[nn.Module, int, int]], x: torch.Tensor, offset: int) -> torch.Tensor:
+    """Every routed expert's output on its rows of x (the experts' picks, sorted by expert; `spans` their
+    (expert, start, end) in the sort, from `offset`), bit-identical to calling each expert on its rows: one
+    activation over all rows, and the linears through `linears_over_row_groups`, whose per-row work runs once."""
+    bounds = [(start - offset, end - offset) for _, start, end in spans]
+    gate, up = linears_over_row_groups([(m.w1, m.w3) for m, _, _ in spans], x, bounds)
+    hidden = spans[0][0].act_fn(gate, up)
+    (y,) = linears_over_row_groups([(m.w2,) for m, _, _ in spans], hidden, bounds)
+    return y
 
 
 def _standin_moe_infer(self: nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,

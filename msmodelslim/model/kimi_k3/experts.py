@@ -11,8 +11,15 @@ from torch import nn
 from torch.nn import functional as F
 
 
+class SiluGated(nn.Module):
+    """act(gate, up) = silu(gate) * up, the activation of transformers' native Kimi-Linear experts."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class KimiExpertMLP(nn.Module):
-    """One routed expert: w2(silu(w1 x) * w3 x)."""
+    """One routed expert: w2(act_fn(w1 x, w3 x)), act_fn = silu(gate) * up."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -21,6 +28,7 @@ class KimiExpertMLP(nn.Module):
         self.w1 = nn.Linear(hidden_size, intermediate_size, **kw)
         self.w3 = nn.Linear(hidden_size, intermediate_size, **kw)
         self.w2 = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.act_fn = SiluGated()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act_fn(self.w1(x), self.w3(x)))
