@@ -61,8 +61,10 @@ def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
 
 
 def run_quant(model: Path, out: Path, device: str, practice: Path, model_type: str = "Kimi-K3",
-              extra_env: dict | None = None) -> dict:
-    """`msmodelslim quant` in a subprocess; returns {"wall_s", "ranks": [per-rank stage stats]}."""
+              extra_env: dict | None = None, tree: str | Path | None = None) -> dict:
+    """`msmodelslim quant` in a subprocess; returns {"wall_s", "ranks": [per-rank stage stats]}. `tree`: run another
+    copy of the package (e.g. `git archive` of an older commit). It becomes the working directory, because
+    `python -m` puts the working directory before $PYTHONPATH: from this checkout, its own package would run."""
     import os
     import shutil
     import time
@@ -72,10 +74,12 @@ def run_quant(model: Path, out: Path, device: str, practice: Path, model_type: s
     for old in out.parent.glob(f"{stats.name}.rank*"):
         old.unlink()
     env = {**os.environ, "MSMODELSLIM_STATS_FILE": str(stats), **(extra_env or {})}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve()), *env.get("PYTHONPATH", "").split(os.pathsep)])
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", "quant", "--model_path", str(model), "--save_path", str(out), "--device", device,
                     "--model_type", model_type, "--config_path", str(practice), "--trust_remote_code", "True"],
-                   check=True, env=env)
+                   check=True, env=env, cwd=None if tree is None else str(tree))
     wall = time.perf_counter() - start
     ranks = [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{stats.name}.rank*"))]
     return {"wall_s": wall, "ranks": ranks}

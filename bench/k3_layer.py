@@ -119,7 +119,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
     # micro-batch size autotuned again (2.5 min inside a timed run on the H200), so each variant warms up
     for tree, batch in variants.values():
-        run_quant(model, out, args.device, practice_for(sizes[0], batch), extra_env=_tree_env(tree))
+        run_quant(model, out, args.device, practice_for(sizes[0], batch), tree=tree)
     if args.profile:  # each calibration pass's operators, one run at the smallest size (printed, not in the JSON)
         prefix = BENCH_OUT / "k3_layer_profile"
         for batch in batches:
@@ -129,7 +129,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for t in sizes:
         for name, (tree, batch) in variants.items():
-            run = run_quant(model, out, args.device, practice_for(t, batch), extra_env=_tree_env(tree))["ranks"][0]
+            run = run_quant(model, out, args.device, practice_for(t, batch), tree=tree)["ranks"][0]
             run["tokens_requested"] = t
             results[name].append(run)
             print(json.dumps({"variant": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
@@ -152,14 +152,6 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal,
                          "projected_model_hours_per_rank_at_largest": round(largest["runner_wall"] * args.layers / 3600, 2)}
     return summary
-
-
-def _tree_env(tree: str | None) -> dict:
-    import os
-
-    if tree is None:
-        return {}
-    return {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ shrunk, the shipped `kimi_k3_w4a8` practice, generated long records (one in 8 im
 operators with none below them that are not views); the JSON gives them per pass and micro-batch of the decoder
 layer's unit, next to the H200's kernel counts of the full-size layer.
 
-    python bench/launches.py [--tokens 16384 --micro-batch-tokens 8192]
+    python bench/launches.py [--tokens 16384 --micro-batch-tokens 8192 --no-report --baseline-tree DIR]
+`--baseline-tree` counts another copy of the package in the same sitting (its pipeline/profile.py must count leaf
+operators: 0d9bf8f or later, or an older tree with today's profile.py copied in).
 Prints one JSON line last.
 """
 
@@ -48,14 +50,15 @@ def shrunk_layer_checkpoint() -> Path:
     return model
 
 
-def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, report: bool = True) -> dict:
+def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, report: bool = True,
+          tree: str | None = None) -> dict:
     folder, records = long_record_set(tokens, seq_len)
     shrunk = shrunken_practice(practice, BENCH_OUT / f"launches_practice_{tokens}_{batch}.yaml", records, seq_len,
                                dataset=folder, spec={"micro_batch_tokens": batch})
     prefix = BENCH_OUT / "launches_profile"
     run = run_quant(model, BENCH_OUT / "Kimi-K3-layer-shrunk-w4a8", "cpu", shrunk,
                     extra_env={"MSMODELSLIM_PROFILE": str(prefix),
-                               **({} if report else {"MSMODELSLIM_BENCH_NO_REPORT": "1"})})
+                               **({} if report else {"MSMODELSLIM_BENCH_NO_REPORT": "1"})}, tree=tree)
     kinds = {}
     for line in Path(f"{prefix}.rank0").read_text().splitlines():
         if m := _KIND.match(line):
@@ -71,18 +74,23 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--no-report", action="store_true", help="without the quant report: what a token past "
                                                                "spec.report_tokens costs")
+    p.add_argument("--baseline-tree", default=None, help="also count this copy of the package")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     args = p.parse_args()
     model = shrunk_layer_checkpoint()
-    result = count(model, args.tokens, args.max_seq_len, args.micro_batch_tokens, Path(args.practice),
-                   report=not args.no_report)
-    micro_batches = -(-args.tokens // args.micro_batch_tokens)
-    for kind, row in result["kinds"].items():
-        row["h200_full_size_kernels"] = H200_KERNELS.get(kind)
-        row["leaf_operators_per_token"] = round(row["leaf_operators"] / args.tokens, 3)
+    trees = {"current": None, **({"baseline": args.baseline_tree} if args.baseline_tree else {})}
+    counted = {}
+    for name, tree in trees.items():
+        result = count(model, args.tokens, args.max_seq_len, args.micro_batch_tokens, Path(args.practice),
+                       report=not args.no_report, tree=tree)
+        for kind, row in result["kinds"].items():
+            row["h200_full_size_kernels"] = H200_KERNELS.get(kind)
+            row["leaf_operators_per_token"] = round(row["leaf_operators"] / args.tokens, 3)
+        counted[name] = result
     print_result({"bench": "launches", "machine": machine(), "tokens": args.tokens, "report": not args.no_report,
-                  "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": micro_batches,
-                  "practice": Path(args.practice).name, "shrunk": SHRUNK, **result})
+                  "micro_batch_tokens": args.micro_batch_tokens,
+                  "micro_batches": -(-args.tokens // args.micro_batch_tokens), "practice": Path(args.practice).name,
+                  "shrunk": SHRUNK, **counted})
 
 
 if __name__ == "__main__":
