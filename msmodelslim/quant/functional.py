@@ -45,15 +45,18 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, bits: int | str | 
     """q = clamp(round(x / scale), qmin, qmax) as torch.int8 (round half to even, like torch.round)."""
     d = _as_dtype(bits)
     xw = x.to(_work_dtype(x))
-    return torch.clamp(torch.round(xw / scale.to(xw.dtype)), d.qmin, d.qmax).to(torch.int8)
+    # rounded and clamped in place in the quotient (a fresh tensor): on the CPU each large temporary is a fresh
+    # mapping whose pages fault in again (core/memory.py); the values are those of the out-of-place ops
+    return torch.div(xw, scale.to(xw.dtype)).round_().clamp_(d.qmin, d.qmax).to(torch.int8)
 
 
 def quantize_symmetric(w: torch.Tensor, bits: int | str | IntDtype,
                        granularity: Granularity | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Min/max symmetric quantization (default PerChannel): returns (q int8 tensor, scale float32)."""
     granularity = PerChannel() if granularity is None else granularity
-    scale = minmax_scale(w, bits, granularity)
-    q = quantize_with_scale(w, scale, bits)
+    work = w.to(_work_dtype(w))  # one copy in the work dtype for the scale and the integers
+    scale = minmax_scale(work, bits, granularity)
+    q = quantize_with_scale(work, scale, bits)
     return q, scale.to(torch.float32)
 
 

@@ -356,8 +356,8 @@ class QuantLinear(nn.Module):
     def integer_product(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         """The output (float32, before the bias) of per-token quantized inputs (qx int8, sx float32 [..., 1])."""
         if self.weight_scale.shape[-1] > 1:  # per-group scales do not factor out of the sum: float32 products
-            return (qx.to(torch.float32) @ self.dequantized_weight().t()) * sx
-        return _integer_matmul(qx, self.qweight) * sx * self.weight_scale.t()
+            return (qx.to(torch.float32) @ self.dequantized_weight().t()).mul_(sx)
+        return _integer_matmul(qx, self.qweight).mul_(sx).mul_(self.weight_scale.t())  # in place: a fresh product
 
     def extra_repr(self) -> str:
         rot = ", online_rotation" if self.online_rotation is not None else ""
