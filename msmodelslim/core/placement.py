@@ -33,6 +33,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 HOST = torch.device("cpu")
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory; from CUDA into pinned memory, asynchronously (synchronize the device before the host
+    reads it; a copy back to the device on the same stream needs no wait). A host tensor is returned as it is."""
+    if t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    return t.to(HOST)
+
+
 def in_host_section() -> bool:
     """True inside `host_section` on this thread."""
     return getattr(_state, "depth", 0) > 0

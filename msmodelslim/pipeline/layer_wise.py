@@ -31,7 +31,7 @@ from msmodelslim.core import ascend_check
 from msmodelslim.core.device import bind_device, release_cached_memory, synchronize
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import return_freed_tensors_to_os
-from msmodelslim.core.placement import HOST
+from msmodelslim.core.placement import to_host
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
@@ -306,10 +306,4 @@ def _to_device(state: Any, device: torch.device) -> Any:
 
 def _to_host(state: Any) -> Any:
     """A sample's state on the host; from CUDA into pinned memory, asynchronously (the pass synchronizes once)."""
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cuda":
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        return t.to(HOST)
-
-    return _map_tensors(state, move)
+    return _map_tensors(state, to_host)

@@ -49,6 +49,8 @@ import torch
 from torch import nn
 
 from msmodelslim.core.config import StrictConfig
+from msmodelslim.core.device import synchronize
+from msmodelslim.core.placement import to_host
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError, shown
 from msmodelslim.formats.ascendv1 import FLOAT
@@ -181,6 +183,20 @@ def _check_finite_hessians(ctx: UnitContext, hessians: dict[str, torch.Tensor]) 
                         "for the model's dtype")
 
 
+def _parked(hessians: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The Hessians in host memory until their GPTQ batch takes them back to the device (`_quantize`): a rank's
+    112 routed experts' are ~10 GB at Kimi-K3's widths, held beside the weights, the quantized results and GPTQ's
+    temporaries while the jobs run, which set the layer's device peak (34.6 GiB on the H200 with GPTQ, 18.2 without;
+    BENCHMARKS.md, issue 31). The copies are exact; on an accelerator they cost one round trip of the Hessians per
+    unit (~20 GB at ~25 GB/s: under a second a layer). Readers of one input keep sharing one object."""
+    if device.type == "cpu":
+        return hessians
+    copies: dict[int, torch.Tensor] = {}
+    parked = {name: copies.setdefault(id(h), to_host(h)) if h is not None else None for name, h in hessians.items()}
+    synchronize(device)  # the asynchronous copies are complete before the device memory is reused
+    return parked
+
+
 def select(name: str, unit_kind: str, include: list[str], exclude: list[str]) -> bool:
     """The matching rule of linear_quant for one checkpoint name (see the module docstring)."""
     if unit_kind not in DECODER_KINDS:
@@ -227,6 +243,7 @@ class LinearQuantProcessor(Processor):
             hessians, tokens = stats.hessian, stats.tokens
             _check_finite_hessians(ctx, hessians)
             _log_expert_coverage(ctx, linears, tokens)
+            hessians = _parked(hessians, ctx.device)
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
@@ -308,6 +325,7 @@ class LinearQuantProcessor(Processor):
         index = None
         if len(weights) == 1:
             w, h, n = weights[0], hessians[0], tokens[0]
+            h = None if h is None else h.to(w.device)  # from the host, where it waited (`_parked`)
         else:  # a batch of one shape: stacked, quantized by one batched GPTQ
             w, h, n = torch.stack(weights), None, None
             if hessians[0] is not None:  # readers of one input (w1, w3) hold one Hessian object: stacked once
@@ -316,7 +334,7 @@ class LinearQuantProcessor(Processor):
                     first.setdefault(id(m), i)
                 slot = {key: k for k, key in enumerate(first)}
                 index = torch.tensor([slot[id(m)] for m in hessians])
-                h = torch.stack([hessians[i] for i in first.values()])
+                h = torch.stack([hessians[i].to(w.device) for i in first.values()])
                 n = torch.tensor([tokens[i] for i in first.values()])
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
                                    hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from msmodelslim.core.dist import SINGLE
+from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import assign_owners, run_processor
 from msmodelslim.processor.base import PROCESSORS, UnitContext
@@ -213,3 +213,43 @@ def test_unchanged_experts_keep_the_source_mxfp4_bytes_and_changed_ones_are_quan
         assert isinstance(q, QuantLinear) and q.scheme.name == "W4A16_MXFP4"
         kept = torch.equal(q.qweight, packed) and torch.equal(q.weight_scale, scale)
         assert kept == (name != "block_sparse_moe.experts.1.w2"), name
+
+
+GPTQ_W4A8 = {**W4A8, "weight": {**W4A8["weight"], "method": "gptq"}}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Hessians wait on the host only beside an accelerator"))])
+def test_hessians_wait_on_the_host_during_the_jobs_and_give_the_same_weights(device, monkeypatch):
+    """GPTQ's Hessians leave the accelerator between the statistics pass and the jobs (`_parked`: a rank's expert
+    Hessians set the layer's device peak) and come back per batch. Reference: the same run with the Hessians left
+    on the device; tolerance: none (the copies are exact). On the CPU nothing moves."""
+    from msmodelslim.processor import linear_quant
+
+    def run(park: bool) -> tuple[dict, list[torch.device]]:
+        torch.manual_seed(0)
+        layer = Layer().to(device)
+        inputs = {n: torch.randn(64, m.in_features, device=device) for n, m in layer.named_modules()
+                  if isinstance(m, nn.Linear)}
+        unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+        ctx = UnitContext(unit=unit, module=layer, adapter=ToyAdapter(), dist=DistContext(device=torch.device(device)),
+                          run_samples=lambda: [layer.get_submodule(n)(x) for n, x in inputs.items()])
+        where: list[torch.device] = []
+        original = linear_quant._parked
+
+        def parked(hessians, dev):
+            out = original(hessians, dev) if park else hessians
+            where.extend(h.device for h in out.values())
+            return out
+
+        monkeypatch.setattr(linear_quant, "_parked", parked)
+        run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
+                                                                 exclude=["*shared_experts*"])), ctx)
+        return {n: (m.qweight.cpu(), m.weight_scale.cpu()) for n, m in layer.named_modules()
+                if isinstance(m, QuantLinear)}, where
+
+    parked, where = run(park=True)
+    kept, _ = run(park=False)
+    assert len(parked) == 6 and where and all(d.type == "cpu" for d in where)
+    for name, (q, scale) in kept.items():
+        assert torch.equal(parked[name][0], q) and torch.equal(parked[name][1], scale), name
