@@ -187,8 +187,9 @@ def _parked(hessians: dict[str, torch.Tensor], device: torch.device) -> dict[str
     """The Hessians in host memory until their GPTQ batch takes them back to the device (`_quantize`): a rank's
     112 routed experts' are ~10 GB at Kimi-K3's widths, held beside the weights, the quantized results and GPTQ's
     temporaries while the jobs run, which set the layer's device peak (34.6 GiB on the H200 with GPTQ, 18.2 without;
-    BENCHMARKS.md, issue 31). The copies are exact; on an accelerator they cost one round trip of the Hessians per
-    unit (~20 GB at ~25 GB/s: under a second a layer). Readers of one input keep sharing one object."""
+    BENCHMARKS.md, issue 31). The copies are exact; on an accelerator they cost the Hessians' bytes to the host once and
+    back twice (the GPTQ batch, the report's weight error): ~30 GB a layer, about a second at ~25 GB/s. Readers of
+    one input keep sharing one object."""
     if device.type == "cpu":
         return hessians
     copies: dict[int, torch.Tensor] = {}
@@ -247,7 +248,16 @@ class LinearQuantProcessor(Processor):
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
-        for live_name, (q, scale) in quantized.items():
+        # readers of one Hessian one after another: each parked Hessian comes back to the device once
+        readers: dict[int, list[str]] = {}
+        for name in quantized:
+            readers.setdefault(id(hessians.get(name)), []).append(name)
+        on_device: tuple[int, torch.Tensor | None] = (id(None), None)
+        for live_name in (name for names in readers.values() for name in names):
+            q, scale = quantized[live_name]
+            h = hessians.get(live_name)
+            if h is not None and on_device[0] != id(h):
+                on_device = (id(h), h.to(ctx.device))
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
             linear = parent.get_submodule(child)
@@ -257,7 +267,7 @@ class LinearQuantProcessor(Processor):
             # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had
             method = "checkpoint" if live_name in native else weight_cfg.method  # kept MXFP4 bytes: no rounding
             quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,
-                                              hessians.get(live_name), tokens.get(live_name))
+                                              None if h is None else on_device[1], tokens.get(live_name))
             setattr(parent, child, quant)
         hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""
