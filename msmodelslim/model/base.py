@@ -166,6 +166,11 @@ class ModelAdapter(ABC):
         """True for modules owned by one expert-parallel rank (their statistics are not reduced across ranks)."""
         return False
 
+    def reads_routed_experts(self, live_name: str) -> bool:
+        """Whether a module's input, within its unit, depends on the routed experts' outputs (so it changes when
+        they are quantized). Unknown models say yes: nothing is gathered ahead of the experts' quantization."""
+        return True
+
     # --- algorithm maps (model knowledge as data) ------------------------------------------------------------
     def fa3_attentions(self) -> list[str]:
         """Checkpoint names of the attentions that have FA3 points (from the skeletons; none by default)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,10 +23,12 @@ from msmodelslim.pipeline.statistics import kinds_for
 from msmodelslim.processor.base import UnitContext
 
 
-def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None) -> None:
+def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None,
+                  following: Any = None) -> None:
     """Apply one processor to the unit, answering each request it yields. `timed(kind, seconds)` is told how long
     each answer took (kind: observe, reduce, jobs), the device synchronized, so a run's profile shows where a
-    processor's time goes: calibration passes, collectives or its own heavy work."""
+    processor's time goes: calibration passes, collectives or its own heavy work. `following`: the processor that
+    runs next on this unit, whose `hessians_ahead` this processor's pass may gather."""
     steps = processor.process_unit(ctx)
     if not inspect.isgenerator(steps):
         return
@@ -36,15 +39,17 @@ def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float]
         except StopIteration:
             return
         start = time.perf_counter()
-        reply = answer(ctx, request)
+        ahead = following.hessians_ahead(ctx, processor) if following is not None and isinstance(request, Observe) \
+            else ()
+        reply = answer(ctx, request, ahead)
         if timed is not None:
             synchronize(ctx.device)
             timed(type(request).__name__.lower(), time.perf_counter() - start)
 
 
-def answer(ctx: UnitContext, request: Any) -> Any:
+def answer(ctx: UnitContext, request: Any, ahead: Sequence[str] = ()) -> Any:
     if isinstance(request, Observe):
-        return observe(ctx, request)
+        return observe_gathering(ctx, request, ahead)
     if isinstance(request, Reduce):
         return reduce_tensors(ctx.dist, request)
     if isinstance(request, Jobs):
@@ -94,6 +99,23 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     with torch.no_grad():
         for k in kinds:  # the same kinds in the same order on every rank: the collectives line up
             k.finish(modules, ctx.dist, lambda n: not ctx.adapter.is_rank_local(n), stats)
+    return stats
+
+
+def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str] = ()) -> Stats:
+    """`observe`, with the Hessians of `ahead` gathered in the same pass and kept for a later processor
+    (`ctx.gathered`), and the Hessians an earlier pass gathered for this request handed over instead of observed:
+    no pass at all when nothing else is asked."""
+    kept = [n for n in request.hessian if n in ctx.gathered.hessian]
+    extra = [n for n in ahead if n not in request.hessian and n not in ctx.gathered.hessian]
+    if kept or extra:
+        request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
+    asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges
+    stats = observe(ctx, request) if asks else Stats()
+    for name in extra:
+        ctx.gathered.hessian[name], ctx.gathered.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
+    for name in kept:
+        stats.hessian[name], stats.tokens[name] = ctx.gathered.hessian.pop(name), ctx.gathered.tokens.pop(name)
     return stats
 
 

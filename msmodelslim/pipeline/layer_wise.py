@@ -215,11 +215,12 @@ class LayerWiseRunner:
                 t0 = time.perf_counter()
                 ctx = UnitContext(unit, module, self.adapter, self.dist,
                                   run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
-                for processor in self.processors:
+                for k, processor in enumerate(self.processors):
                     self._pass_kind = processor.name
                     t1 = time.perf_counter()
                     run_processor(processor, ctx, timed=lambda kind, sec, p=processor.name:
-                                  self.stats.add(f"{kind}.{p}", sec))
+                                  self.stats.add(f"{kind}.{p}", sec),
+                                  following=self.processors[k + 1] if k + 1 < len(self.processors) else None)
                     self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from msmodelslim.core.config import SchemaError, StrictConfig
 from msmodelslim.core.dist import DistContext
+from msmodelslim.core.requests import Stats
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.globs import check_globs
 
@@ -26,6 +27,8 @@ class UnitContext:
     dist: DistContext
     # Runs this rank's calibration samples through the unit as it is now (no state is kept).
     run_samples: Callable[[], None]
+    # Hessians (and their token counts) a pass gathered for a later processor (`Processor.hessians_ahead`)
+    gathered: Stats = field(default_factory=Stats)
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +90,12 @@ class Processor(ABC):
     def process_unit(self, ctx: UnitContext) -> Any:
         """Transform `ctx.module` in place. A processor that needs calibration statistics, cross-rank reductions
         or shared heavy work is a generator yielding requests the runner answers (`core/requests.py`)."""
+
+    def hessians_ahead(self, ctx: UnitContext, before: Processor) -> tuple[str, ...]:
+        """Modules whose Hessians this processor will ask for that stay the same whatever the processor `before`
+        it does to the unit after its own calibration pass: the runner gathers them in that pass and hands them
+        over when asked (a pass fewer). None by default."""
+        return ()
 
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""

@@ -225,15 +225,33 @@ class LinearQuantProcessor(Processor):
         logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name,
                     shown(cfg.include, 200), shown(cfg.exclude, 200), matched, len(names))
 
-    def process_unit(self, ctx: UnitContext) -> Any:
+    def _selected(self, ctx: UnitContext) -> dict[str, nn.Linear]:
+        """This entry's linears of the unit as it is now (live name -> module)."""
         cfg = self.config
-        scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
         linears = {}
         for live_name, mod in ctx.module.named_modules():
             if not live_name or not isinstance(mod, nn.Linear):  # the unit root itself cannot be swapped in place
                 continue
             if select(ctx.adapter.checkpoint_name(ctx.unit, live_name), ctx.unit.kind, cfg.include, cfg.exclude):
                 linears[live_name] = mod
+        return linears
+
+    def hessians_ahead(self, ctx: UnitContext, before: Processor) -> tuple[str, ...]:
+        """After an entry that quantizes routed experts only, this entry's GPTQ Hessians of the linears that do not
+        read the experts' outputs (`adapter.reads_routed_experts`: attention, shared experts, the latent
+        down-projection) are the same before and after: the experts' pass gathers them. On Kimi-Linear that is
+        every one, and the W8A8 entry needs no pass of its own; Kimi-K3's latent up-projection still does."""
+        if self.config.qconfig.weight.method != "gptq" or not isinstance(before, LinearQuantProcessor):
+            return ()
+        changed = before._selected(ctx)
+        if not changed or not all(ctx.adapter.is_rank_local(n) for n in changed):
+            return ()
+        return tuple(n for n in self._selected(ctx) if n not in changed and not ctx.adapter.reads_routed_experts(n))
+
+    def process_unit(self, ctx: UnitContext) -> Any:
+        cfg = self.config
+        scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
+        linears = self._selected(ctx)
         if not linears:
             return
         native = self._native_mxfp4(ctx, linears)

@@ -253,3 +253,60 @@ def test_hessians_wait_on_the_host_during_the_jobs_and_give_the_same_weights(dev
     assert len(parked) == 6 and where and all(d.type == "cpu" for d in where)
     for name, (q, scale) in kept.items():
         assert torch.equal(parked[name][0], q) and torch.equal(parked[name][1], scale), name
+
+
+class LatentLayer(Layer):
+    """Layer with a linear that reads the routed experts' outputs (Kimi-K3's latent up-projection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block_sparse_moe.routed_expert_up_proj = nn.Linear(16, 16)
+
+
+class RoutedAdapter(ToyAdapter):
+    def is_rank_local(self, live_name):
+        return ".experts." in live_name and "shared" not in live_name
+
+    def reads_routed_experts(self, live_name):
+        return live_name.endswith("routed_expert_up_proj")
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(latent):
+    """Two GPTQ entries, routed experts then the rest: the experts' pass also gathers the later entry's Hessians of
+    the linears that do not read the experts' outputs, so that entry needs no pass of its own, or one for the
+    latent up-projection alone. Reference: the entries run with a pass each; tolerance: none (the gathered inputs
+    are the same tensors either way)."""
+    W8A8_GPTQ = {**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}}
+
+    def run(gather: bool) -> tuple[int, dict]:
+        torch.manual_seed(0)
+        layer = LatentLayer() if latent else Layer()
+        moe = layer.block_sparse_moe
+        x = torch.randn(40, 16)
+        passes = []
+
+        def samples():
+            passes.append(1)
+            h = x + layer.self_attn.o_proj(layer.self_attn.q_proj(x))
+            routed = sum(e.w2(e.w1(h) * e.w3(h)) for e in moe.experts)
+            out = h + moe.shared_experts.up_proj(h).sum() + routed
+            return moe.routed_expert_up_proj(routed) + out if latent else out
+
+        unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+        ctx = UnitContext(unit=unit, module=layer, adapter=RoutedAdapter(), dist=SINGLE, run_samples=samples)
+        experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
+                                                               exclude=["*shared_experts*"]))
+        rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8_GPTQ, include=["*"]))
+        run_processor(experts, ctx, following=rest if gather else None)
+        run_processor(rest, ctx)
+        assert not ctx.gathered.hessian  # everything gathered was handed over
+        return len(passes), {n: (m.qweight, m.weight_scale) for n, m in layer.named_modules()
+                             if isinstance(m, QuantLinear)}
+
+    gathered_passes, gathered = run(gather=True)
+    separate_passes, separate = run(gather=False)
+    assert (gathered_passes, separate_passes) == ((2, 2) if latent else (1, 2))
+    assert gathered.keys() == separate.keys() and len(gathered) == 10 + latent
+    for name, (q, scale) in separate.items():
+        assert torch.equal(gathered[name][0], q) and torch.equal(gathered[name][1], scale), name

@@ -96,6 +96,9 @@ class HFModelAdapter(ModelAdapter):
     def is_rank_local(self, name: str) -> bool:
         return self.layout.is_rank_local(name)
 
+    def reads_routed_experts(self, live_name: str) -> bool:
+        return self.layout.reads_routed_experts(live_name)
+
     def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         return self.layout.forward_unit(unit, module, state)
 

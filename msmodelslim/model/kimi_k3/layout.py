@@ -20,6 +20,10 @@ from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3 import ep_patches, fa3
 
 EXPERT_RE = re.compile(r"(?<!shared_)experts\.(\d+)\.")
+# Linears of a decoder unit that read the routed experts' outputs: Kimi-K3's latent up-projection (after the latent
+# sum and its norm). Everything else in the unit reads the experts' input side (attention, router, shared experts,
+# latent down-projection) or is an expert.
+READS_ROUTED_EXPERTS_RE = re.compile(r"(^|\.)routed_expert_up_proj$")
 # transformers' native Kimi-Linear renames a few checkpoint tensors (its conversion mapping); live -> checkpoint.
 _NATIVE_RENAMES = (("self_attn.forget_gate.", "self_attn."),)
 _NATIVE_FUSED_CONV = "self_attn.conv1d.weight"
@@ -154,6 +158,11 @@ class KimiLayout:
     def is_rank_local(self, name: str) -> bool:
         """A routed expert's module (live or checkpoint name): held by one expert-parallel rank."""
         return EXPERT_RE.search(name + ".") is not None
+
+    def reads_routed_experts(self, live_name: str) -> bool:
+        """A module whose input depends on the routed experts' outputs within its unit (the experts themselves
+        excluded)."""
+        return READS_ROUTED_EXPERTS_RE.search(live_name) is not None
 
     def lookup_aliases(self, name: str) -> list[str]:
         """vLLM's Kimi-K3 MTP drafter builds layer N+k's decoder block at `model.layers.{N+k}.mtp_block.` (vllm 0.33
