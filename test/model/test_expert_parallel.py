@@ -218,3 +218,19 @@ def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and
         experts["3"].register_forward_hook(lambda *_: called.append(1))
         assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
         assert called == [1, 1]  # in the dispatch and in the reference: expert by expert
+
+
+def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
+    """`spec.fallback` can leave one expert's linear FLOAT and give another W8A8 among W4A8 experts: the group mixes
+    module calls with shared per-token quantization. Reference: each expert called on its rows; tolerance: none."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.quant.modules import QuantLinear
+
+    experts = _expert_block("w4a8")
+    plain = _expert_block("float")
+    experts["3"].w1 = plain["3"].w1  # FLOAT fallback
+    experts["4"].w2 = QuantLinear.from_linear(plain["4"].w2, "W8A8_DYNAMIC", weight_method="minmax")
+    x, idx, w = _routing()
+    with torch.no_grad():
+        assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
