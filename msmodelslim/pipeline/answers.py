@@ -38,6 +38,7 @@ def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float]
             request = steps.send(reply)
         except StopIteration:
             return
+        reply = None  # the processor has it: held here it would outlive what the processor frees (its Hessians)
         start = time.perf_counter()
         ahead = following.hessians_ahead(ctx, processor) if following is not None and isinstance(request, Observe) \
             else ()

@@ -263,6 +263,7 @@ class LinearQuantProcessor(Processor):
             _check_finite_hessians(ctx, hessians)
             _log_expert_coverage(ctx, linears, tokens)
             hessians = _parked(hessians, ctx.device)
+            del stats  # with a parked copy, the device Hessians go now, not after the jobs
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
