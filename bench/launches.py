@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, machine, print_result, run_quant, shrunken_practice  # noqa: E402
 from bench.k3_layer import EXPERTS_PER_RANK, TOPK_PER_RANK, long_record_set  # noqa: E402
+from msmodelslim.pipeline.launch import NO_REPORT_ENV  # noqa: E402
+from msmodelslim.pipeline.profile import PROFILE_ENV  # noqa: E402
 
 # the `layer` preset's structure at widths a CPU runs in seconds
 SHRUNK = {
@@ -57,8 +59,7 @@ def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, re
                                dataset=folder, spec={"micro_batch_tokens": batch})
     prefix = BENCH_OUT / "launches_profile"
     run = run_quant(model, BENCH_OUT / "Kimi-K3-layer-shrunk-w4a8", "cpu", shrunk,
-                    extra_env={"MSMODELSLIM_PROFILE": str(prefix),
-                               **({} if report else {"MSMODELSLIM_BENCH_NO_REPORT": "1"})}, tree=tree)
+                    extra_env={PROFILE_ENV: str(prefix), **({} if report else {NO_REPORT_ENV: "1"})}, tree=tree)
     kinds = {}
     for line in Path(f"{prefix}.rank0").read_text().splitlines():
         if m := _KIND.match(line):
