@@ -24,11 +24,11 @@ from msmodelslim.processor.base import UnitContext
 
 
 def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None,
-                  following: Any = None) -> None:
+                  following: Sequence[Any] = ()) -> None:
     """Apply one processor to the unit, answering each request it yields. `timed(kind, seconds)` is told how long
     each answer took (kind: observe, reduce, jobs), the device synchronized, so a run's profile shows where a
-    processor's time goes: calibration passes, collectives or its own heavy work. `following`: the processor that
-    runs next on this unit, whose `hessians_ahead` this processor's pass may gather."""
+    processor's time goes: calibration passes, collectives or its own heavy work. `following`: the processors that
+    run after it on this unit, whose `hessians_ahead` this processor's passes may gather."""
     steps = processor.process_unit(ctx)
     if not inspect.isgenerator(steps):
         return
@@ -40,12 +40,20 @@ def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float]
             return
         reply = None  # the processor has it: held here it would outlive what the processor frees (its Hessians)
         start = time.perf_counter()
-        ahead = following.hessians_ahead(ctx, processor) if following is not None and isinstance(request, Observe) \
-            else ()
+        ahead = hessians_ahead(ctx, processor, following) if isinstance(request, Observe) else ()
         reply = answer(ctx, request, ahead)
         if timed is not None:
             synchronize(ctx.device)
             timed(type(request).__name__.lower(), time.perf_counter() - start)
+
+
+def hessians_ahead(ctx: UnitContext, asking: Any, following: Sequence[Any]) -> tuple[str, ...]:
+    """The Hessians the processors after `asking` will ask for that its pass can gather (each one's
+    `hessians_ahead`, given the processors that run before it), in order, each once."""
+    names: dict[str, None] = {}
+    for i, later in enumerate(following):
+        names.update(dict.fromkeys(later.hessians_ahead(ctx, (asking, *following[:i]))))
+    return tuple(names)
 
 
 def answer(ctx: UnitContext, request: Any, ahead: Sequence[str] = ()) -> Any:
@@ -105,18 +113,26 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
 
 def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str] = ()) -> Stats:
     """`observe`, with the Hessians of `ahead` gathered in the same pass and kept for a later processor
-    (`ctx.gathered`), and the Hessians an earlier pass gathered for this request handed over instead of observed:
-    no pass at all when nothing else is asked."""
-    kept = [n for n in request.hessian if n in ctx.gathered.hessian]
-    extra = [n for n in ahead if n not in request.hessian and n not in ctx.gathered.hessian]
+    (`ctx.gathered`), and the Hessians an earlier pass gathered for this request handed over instead of observed
+    (kept too where `ahead` names them again): no pass at all when nothing else is asked. A Hessian asked now and
+    gathered for later is one object in both places: whoever changes it makes a new one."""
+    gathered = ctx.gathered
+    kept = [n for n in request.hessian if n in gathered.hessian]
+    extra = [n for n in ahead if n not in request.hessian and n not in gathered.hessian]
+    also = [n for n in ahead if n in request.hessian and n not in gathered.hessian]
     if kept or extra:
         request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
     asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges
     stats = observe(ctx, request) if asks else Stats()
     for name in extra:
-        ctx.gathered.hessian[name], ctx.gathered.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
+        gathered.hessian[name], gathered.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
+    for name in also:
+        gathered.hessian[name], gathered.tokens[name] = stats.hessian[name], stats.tokens[name]
+    ahead_set = set(ahead)
     for name in kept:
-        stats.hessian[name], stats.tokens[name] = ctx.gathered.hessian.pop(name), ctx.gathered.tokens.pop(name)
+        h, tokens = (gathered.hessian[name], gathered.tokens[name]) if name in ahead_set else \
+            (gathered.hessian.pop(name), gathered.tokens.pop(name))
+        stats.hessian[name], stats.tokens[name] = h, tokens
     return stats
 
 

@@ -220,7 +220,7 @@ class LayerWiseRunner:
                     t1 = time.perf_counter()
                     run_processor(processor, ctx, timed=lambda kind, sec, p=processor.name:
                                   self.stats.add(f"{kind}.{p}", sec),
-                                  following=self.processors[k + 1] if k + 1 < len(self.processors) else None)
+                                  following=self.processors[k + 1:])
                     self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 

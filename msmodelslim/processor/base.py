@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,9 @@ class Processor(ABC):
     # linears, `kv_cache: true` one that quantizes attention (so a practice cannot promise what it never does).
     quantizes_linears: bool = False
     quantizes_attention: bool = False
+    # Its transforms scale the inputs of the linears they touch by a known diagonal, and it rescales the Hessians
+    # gathered for later processors to match (`ctx.gathered`): a later processor may gather in its passes.
+    carries_hessians: bool = False
 
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
@@ -91,10 +94,11 @@ class Processor(ABC):
         """Transform `ctx.module` in place. A processor that needs calibration statistics, cross-rank reductions
         or shared heavy work is a generator yielding requests the runner answers (`core/requests.py`)."""
 
-    def hessians_ahead(self, ctx: UnitContext, before: Processor) -> tuple[str, ...]:
-        """Modules whose Hessians this processor will ask for that stay the same whatever the processor `before`
-        it does to the unit after its own calibration pass: the runner gathers them in that pass and hands them
-        over when asked (a pass fewer). None by default."""
+    def hessians_ahead(self, ctx: UnitContext, before: Sequence[Processor]) -> tuple[str, ...]:
+        """Modules whose Hessians this processor will ask for that the pass of `before[0]` can gather: what the
+        processors `before` it (the asking one first) do to the unit after that pass leaves them the same, or
+        `carries_hessians`. The runner keeps them in `ctx.gathered` and hands them over when asked (a pass fewer).
+        None by default."""
         return ()
 
     def describe(self) -> dict[str, Any]:

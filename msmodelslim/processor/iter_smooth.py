@@ -31,6 +31,7 @@ largest, so every rank ends with bit-identical replicated weights.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -84,6 +85,23 @@ def multiply_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
     weight.copy_((weight.float() * s.to(weight.device, torch.float32)).to(weight.dtype))
 
 
+@torch.no_grad()
+def rescale_hessians(hessians: dict[str, torch.Tensor], readers: Sequence[str], s: torch.Tensor) -> None:
+    """H <- D H D with D = diag(1 / s) for the readers' Hessians gathered before smoothing: their input became
+    X / s. Readers of one input keep sharing one (new) tensor; the old one is left as it was (an earlier request
+    may hold it). Exact but for the rounding of the smoothed 16-bit weights, which moves every later input by
+    about one rounding of those weights (docs/dev/architecture.md)."""
+    done: dict[int, torch.Tensor] = {}
+    for name in readers:
+        h = hessians.get(name)
+        if h is None:
+            continue
+        if id(h) not in done:
+            inv = 1.0 / s.to(h.device, torch.float32)
+            done[id(h)] = h * torch.outer(inv, inv)  # the outer product is symmetric, so the result stays so
+        hessians[name] = done[id(h)]
+
+
 def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor, token_range: float,
                    w_bits: Any, a_bits: Any) -> float:
     """Quantized output error of one reader after smoothing by s (module docstring): weight part through the
@@ -128,6 +146,7 @@ class IterSmoothConfig(ProcessorConfig):
 @register_processor("iter_smooth", IterSmoothConfig)
 class IterSmoothProcessor(Processor):
     config: IterSmoothConfig
+    carries_hessians = True  # a later GPTQ entry's Hessians, gathered in these passes, are rescaled as smoothed
 
     def __init__(self, config: IterSmoothConfig) -> None:
         super().__init__(config)
@@ -224,6 +243,7 @@ class IterSmoothProcessor(Processor):
         full = s.repeat(sg.heads)
         for name in sg.targets + sg.float_targets:
             multiply_columns(modules[name].weight.data, full)
+        rescale_hessians(ctx.gathered.hessian, sg.targets + sg.float_targets, full)
         self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
     # --- the search ---------------------------------------------------------------------------------------------

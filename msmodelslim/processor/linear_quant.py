@@ -41,6 +41,7 @@ the log says how many of each a unit has.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -236,17 +237,26 @@ class LinearQuantProcessor(Processor):
                 linears[live_name] = mod
         return linears
 
-    def hessians_ahead(self, ctx: UnitContext, before: Processor) -> tuple[str, ...]:
-        """After an entry that quantizes routed experts only, this entry's GPTQ Hessians of the linears that do not
-        read the experts' outputs (`adapter.reads_routed_experts`: attention, shared experts, the latent
-        down-projection) are the same before and after: the experts' pass gathers them. On Kimi-Linear that is
-        every one, and the W8A8 entry needs no pass of its own; Kimi-K3's latent up-projection still does."""
-        if self.config.qconfig.weight.method != "gptq" or not isinstance(before, LinearQuantProcessor):
+    def hessians_ahead(self, ctx: UnitContext, before: Sequence[Processor]) -> tuple[str, ...]:
+        """This entry's GPTQ Hessians that an earlier pass can gather (`Processor.hessians_ahead`). Through a
+        processor that `carries_hessians` (iter_smooth rescales them with its smoothing) every one; through an
+        entry that quantizes routed experts only, those of the linears that do not read the experts' outputs
+        (`adapter.reads_routed_experts`: attention, shared experts, the latent down-projection). So on Kimi-Linear
+        iter_smooth's first pass gathers both entries' Hessians and neither needs a pass of its own; Kimi-K3's
+        latent up-projection still does."""
+        if self.config.qconfig.weight.method != "gptq":
             return ()
-        changed = before._selected(ctx)
-        if not changed or not all(ctx.adapter.is_rank_local(n) for n in changed):
-            return ()
-        return tuple(n for n in self._selected(ctx) if n not in changed and not ctx.adapter.reads_routed_experts(n))
+        names = list(self._selected(ctx))
+        for processor in before:
+            if isinstance(processor, LinearQuantProcessor):
+                changed = processor._selected(ctx)
+                if not all(ctx.adapter.is_rank_local(n) for n in changed):
+                    return ()
+                if changed:
+                    names = [n for n in names if n not in changed and not ctx.adapter.reads_routed_experts(n)]
+            elif not processor.carries_hessians:
+                return ()
+        return tuple(names)
 
     def process_unit(self, ctx: UnitContext) -> Any:
         cfg = self.config
@@ -255,6 +265,9 @@ class LinearQuantProcessor(Processor):
         if not linears:
             return
         native = self._native_mxfp4(ctx, linears)
+        for name in native:  # kept bytes need no Hessian: drop one an earlier pass gathered
+            ctx.gathered.hessian.pop(name, None)
+            ctx.gathered.tokens.pop(name, None)
         hessians: dict[str, torch.Tensor] = {}
         tokens: dict[str, int] = {}
         if weight_cfg.method == "gptq":  # every rank asks, also one whose linears all kept their bytes

@@ -3,7 +3,7 @@ practices with test/consumer/outputs.py's plain numerics) has the SHA-256 record
 before issue 26's rework (cbf2374), and again on AVX512 CPUs at fff0008, before issue 33 (the first record's CPUs
 round float kernels differently: its layer shards did not match here), and at issue 34 (only the 28 descriptions
 changed: their source identity gained tensors_sha256; then the 8 practice copies of the per-group and
-w4a8c8 practices, which gained metadata.serving_note). Exact, on CPUs of the recorded capability; elsewhere the
+w4a8c8 practices, which gained metadata.serving_note); bench/output_hashes.py's shipped set (GPTQ, the smoothing search) again in session 20, when iter_smooth began carrying GPTQ's Hessians. Exact, on CPUs of the recorded capability; elsewhere the
 test is skipped, saying why. bench/output_hashes.py checks every shipped practice of both models, with the
 practices' own numerics too, and re-records after an intended change (`--record`)."""
 

@@ -298,7 +298,7 @@ def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(l
         experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
                                                                exclude=["*shared_experts*"]))
         rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8_GPTQ, include=["*"]))
-        run_processor(experts, ctx, following=rest if gather else None)
+        run_processor(experts, ctx, following=[rest] if gather else ())
         run_processor(rest, ctx)
         assert not ctx.gathered.hessian  # everything gathered was handed over
         return len(passes), {n: (m.qweight, m.weight_scale) for n, m in layer.named_modules()

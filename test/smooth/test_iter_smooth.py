@@ -178,6 +178,53 @@ def test_expert_without_tokens_is_left_untouched():
         assert smoothed and "5" not in smoothed  # the experts the tokens reach were smoothed
 
 
+def test_smoothing_carries_the_hessians_its_first_pass_gathered_for_gptq():
+    """iter_smooth's first pass also gathers both GPTQ entries' Hessians (all but the latent up-projection's, which
+    reads the quantized experts) and rescales them with its smoothing: the W4A8 experts' entry then needs no pass
+    of its own and the unit takes 3 passes, not 4. Reference: the Hessians observed on the smoothed float32 unit;
+    tolerance: relative Frobenius error 1e-5 (float32 rounding of the rescaling and of the smoothed weights). The
+    unrescaled Hessians differ by more than 1 %, so a missing or wrong rescaling fails."""
+    from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
+
+    gptq = {"act": {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"},
+            "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "gptq"}}
+    w4 = {**gptq, "weight": {**gptq["weight"], "dtype": "int4"}}
+    model, pkg = standin_vlm()
+    samples = standin_inputs(model)
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
+        adapter = KimiLayout(model)
+        unit, layer = _layer(adapter, "layers.1")
+        passes = []
+        ctx = UnitContext(unit, layer, adapter, DistContext(),
+                          run_samples=lambda: passes.append(logits_of(model, samples)))
+        smooth = smoother(adapter, search=True)
+        smooth.preflight(adapter, _all_w4a8(adapter))
+        experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=w4, include=["*experts.*"],
+                                                               exclude=["*shared_experts*"]))
+        rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=gptq, include=["*"]))
+        run_processor(smooth, ctx, following=[experts, rest])
+        carried = dict(ctx.gathered.hessian)
+        latent = [n for n in rest._selected(ctx) if adapter.reads_routed_experts(n)]
+        assert latent and not set(latent) & set(carried)
+        assert set(carried) == (set(experts._selected(ctx)) | set(rest._selected(ctx))) - set(latent)
+        observed = observe(ctx, Observe(hessian=tuple(carried))).hessian
+        assert sum(smooth.counts.values()) > 0
+        for name, h in carried.items():  # an expert no token reached has zeros on both sides
+            assert (h - observed[name]).norm() <= 1e-5 * observed[name].norm(), name
+        passes.clear()
+        run_processor(experts, ctx, following=[rest])
+        run_processor(rest, ctx)
+        assert len(passes) == 1 and not ctx.gathered.hessian  # the latent up-projection's pass; all handed over
+    # the same unit unsmoothed: the rescaling was needed
+    model, pkg = standin_vlm()
+    with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
+        adapter = KimiLayout(model)
+        unit, layer = _layer(adapter, "layers.1")
+        ctx = UnitContext(unit, layer, adapter, DistContext(), run_samples=lambda: logits_of(model, samples))
+        before = observe(ctx, Observe(hessian=tuple(carried))).hessian
+    assert max(float((before[n] - carried[n]).norm() / carried[n].norm().clamp(min=1e-30)) for n in carried) > 1e-2
+
+
 def test_gated_norm_scale_is_shared_by_heads():
     """o_norm's weight [V] absorbs one scale per V channel: s_j = max over heads of the SmoothQuant scale inputs."""
     model, pkg = standin_vlm()
