@@ -7,7 +7,8 @@ random words, bench/k3_layer.py's generator). For each size: the runner's wall t
 layer, with nothing observed (what `msmodelslim eval` does twice per token: original and quantized). The marginal
 cost per token is the slope between the sizes; the target is runner <= 3 x forward.
 
-    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096 --host-state-gib 0]
+    python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096 --search-tokens 4096
+                                --host-state-gib 0]
 Prints one JSON line last.
 """
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BENCH_OUT, ROOT, SHARED, machine, print_result, run_quant, shrunken_practice  # noqa: E402
@@ -62,6 +64,9 @@ def main() -> None:
     p.add_argument("--report-tokens", type=int, default=None,
                    help="spec.report_tokens (default the practice's, 65,536): below the smaller size, the marginal "
                         "cost is that of a token past the report's cap")
+    p.add_argument("--search-tokens", type=int, default=None,
+                   help="iter_smooth.search_tokens (default the practice's, 65,536): below the smaller size, the "
+                        "marginal cost is that of a token past the search's sample")
     p.add_argument("--host-state-gib", type=float, default=None,
                    help="$MSMODELSLIM_HOST_STATE_GIB for the runner (0: every micro-batch's state spilled to disk)")
     args = p.parse_args()
@@ -74,6 +79,11 @@ def main() -> None:
             spec["report_tokens"] = args.report_tokens
         practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
                                      dataset=folder, spec=spec)
+        if args.search_tokens is not None:
+            data = yaml.safe_load(practice.read_text())
+            next(step for step in data["spec"]["process"] if step["type"] == "iter_smooth")["search_tokens"] = \
+                args.search_tokens
+            practice.write_text(yaml.safe_dump(data, sort_keys=False))
         env = {} if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
         run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear",
                         extra_env=env)["ranks"][0]
@@ -90,7 +100,8 @@ def main() -> None:
     stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
     print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
                   "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
-                  "report_tokens": args.report_tokens, "host_state_gib": args.host_state_gib,
+                  "report_tokens": args.report_tokens, "search_tokens": args.search_tokens,
+                  "host_state_gib": args.host_state_gib,
                   "max_seq_len": args.max_seq_len, "sizes": rows,
                   "runner_marginal_ms_per_token": round(runner_ms, 4),
                   "forward_marginal_ms_per_token": round(forward_ms, 4),

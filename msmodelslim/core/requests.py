@@ -31,11 +31,16 @@ class Observe:
       (read-only). No pass of its own: it needs no range.
     - `token_ranges`: module -> inverse channel scales [c, d] of c candidates: per candidate the sum over tokens
       of (max_j |x_j| * inv_j)^2 (float32 [c]), the spread a per-token activation quantizer meets after the input
-      is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`).
+      is divided by that candidate's scale (integer sums on a grid of the candidate's bound, needs `ranges`), and
+      the number of those tokens (`range_tokens`).
     - `head_ranges`: module -> (heads, ratio) for a module whose input is [batch, heads, seq, dim] (an attention's
       FA3 point): per head the narrowest range [low, high] holding `ratio` of each sample's values (ratio 1:
       min/max), then the min of the lows and the max of the highs over samples and ranks (float32 [heads] each;
       exact in any order).
+
+    `tokens`: observe only the samples of the first `tokens` calibration tokens of the global order
+    (`assembly.first_places`, the same on any number of ranks): a statistic that does not need every token costs
+    nothing past them. None: every sample. A capped pass gathers nothing ahead for later processors.
     """
 
     absmax: Sequence[str] = ()
@@ -43,6 +48,7 @@ class Observe:
     token_ranges: Mapping[str, torch.Tensor] = field(default_factory=dict)
     ranges: Mapping[str, torch.Tensor] | None = None
     head_ranges: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    tokens: int | None = None
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Stats:
     hessian: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
+    range_tokens: dict[str, int] = field(default_factory=dict)
     head_ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (low, high)
 
 

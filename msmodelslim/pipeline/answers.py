@@ -89,7 +89,7 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
 
         def hook(_mod: nn.Module, args: tuple) -> None:
             x = args[0].detach()
-            if not x.numel():
+            if not x.numel() or (request.tokens is not None and not ctx.observing()):
                 return
             flat = x.reshape(-1, x.shape[-1])
             for k in watching:
@@ -100,7 +100,10 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     handles = [modules[name].register_forward_pre_hook(make_hook(name)) for name in names]
     try:
         with torch.no_grad(), ctx.adapter.statistics_pass():
-            ctx.run_samples()
+            if request.tokens is None or ctx.run_first is None:
+                ctx.run_samples()
+            else:
+                ctx.run_first(request.tokens)
     finally:
         for h in handles:
             h.remove()
@@ -117,9 +120,11 @@ def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str] =
     (kept too where `ahead` names them again): no pass at all when nothing else is asked. A Hessian asked now and
     gathered for later is one object in both places: whoever changes it makes a new one."""
     gathered = ctx.gathered
+    # a capped pass gathers nothing: later processors want Hessians of every token
+    gathering = () if request.tokens is not None else ahead
     kept = [n for n in request.hessian if n in gathered.hessian]
-    extra = [n for n in ahead if n not in request.hessian and n not in gathered.hessian]
-    also = [n for n in ahead if n in request.hessian and n not in gathered.hessian]
+    extra = [n for n in gathering if n not in request.hessian and n not in gathered.hessian]
+    also = [n for n in gathering if n in request.hessian and n not in gathered.hessian]
     if kept or extra:
         request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
     asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges

@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from msmodelslim.core.config import FallbackConfig
+from msmodelslim.core.dist import DistContext, current_token_source
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.resume import KEEP
 from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
@@ -156,19 +158,46 @@ def split_samples(samples: list[dict[str, Any]], rank: int, world: int) -> list[
     return [samples[i] for i in _dealing_order(samples)[rank::world]]
 
 
-def report_positions(samples: list[dict[str, Any]], tokens: int | None) -> set[int] | None:
-    """The samples the quant report observes, by place in the dealing order (`split_samples`: rank r forwards place
-    s * world + r at step s): the first, up to `tokens` calibration tokens (at least one), the same on any number of
-    ranks. None: all."""
+def place_tokens(samples: list[dict[str, Any]]) -> list[int]:
+    """The calibration tokens of each place of the dealing order (`split_samples`: rank r forwards place
+    s * world + r at step s)."""
+    return [sample_tokens(samples[i]) for i in _dealing_order(samples)]
+
+
+def first_places(tokens_by_place: Sequence[int], tokens: int | None) -> set[int] | None:
+    """The samples a capped statistic observes (the quant report's `spec.report_tokens`, the smoothing search's
+    `search_tokens`), by place in the dealing order: the first, up to `tokens` calibration tokens (at least one),
+    the same on any number of ranks. None: all."""
     if tokens is None:
         return None
     places, seen = set(), 0
-    for place, index in enumerate(_dealing_order(samples)):
+    for place, count in enumerate(tokens_by_place):
         if seen >= tokens:
             break
         places.add(place)
-        seen += sample_tokens(samples[index])
+        seen += count
     return places
+
+
+def report_positions(samples: list[dict[str, Any]], tokens: int | None) -> set[int] | None:
+    """`first_places` of the whole calibration set."""
+    return first_places(place_tokens(samples), tokens)
+
+
+def steps_with(places: set[int] | None, steps: int, world: int) -> set[int] | None:
+    """The steps at which some rank forwards one of `places` (the same on every rank); None: all."""
+    if places is None:
+        return None
+    return {s for s in range(steps) if any(s * world + r in places for r in range(world))}
+
+
+def observed_now(places: set[int] | None, step: int, dist: DistContext) -> bool:
+    """Whether the tokens in progress come from one of `places`: those of the sample that the rank they come from
+    forwards at `step` (a routed expert under EP computes every rank's tokens, one rank's block at a time)."""
+    if places is None:
+        return True
+    source = current_token_source()
+    return step * dist.world_size + (dist.rank if source is None else source) in places
 
 
 def _dealing_order(samples: list[dict[str, Any]]) -> list[int]:

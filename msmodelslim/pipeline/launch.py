@@ -37,7 +37,7 @@ from msmodelslim.errors import RankLost, ResumableError, UserError
 from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.pipeline.assembly import prepare_run, report_positions, split_samples
+from msmodelslim.pipeline.assembly import place_tokens, prepare_run, report_positions, split_samples
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
@@ -206,7 +206,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                            host_budget(torchrun.local_world_size if torchrun else world))
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
                                  resume=resume, resume_after=request.resume_after, report=report, spill=spill,
-                                 profiler=pass_profiler(device))
+                                 profiler=pass_profiler(device), place_tokens=place_tokens(samples))
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):

@@ -35,6 +35,7 @@ from msmodelslim.core.placement import to_host
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import UnitContext, run_processor
+from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
@@ -64,7 +65,7 @@ class LayerWiseRunner:
                  dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
                  resume: ResumeState | None = None, resume_after: int | None = None,
                  report: QuantReport | None = None, spill: StateSpill | None = None,
-                 profiler: PassProfiler | None = None) -> None:
+                 profiler: PassProfiler | None = None, place_tokens: Sequence[int] | None = None) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -78,6 +79,11 @@ class LayerWiseRunner:
         self.report = report  # the quant report (pipeline/report.py), collected during the forwards
         self.spill = spill  # where the samples' state goes past the host budget (pipeline/spill.py), if anywhere
         self.profiler = profiler  # each pass's operators ($MSMODELSLIM_PROFILE, benchmarks), if anything
+        # the calibration tokens of each place of the global dealing order (`assembly.place_tokens`), from which
+        # a capped statistics pass picks its samples; None: such a pass sees every sample
+        self.place_tokens = place_tokens
+        self._step = 0  # this rank's sample in progress
+        self._observed: set[int] | None = None  # the places a capped statistics pass observes
         self._position = 0  # the unit being processed: its index in adapter.units()
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
         self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
@@ -89,6 +95,18 @@ class LayerWiseRunner:
             return self._forward_samples(unit, module, states, keep, only)
         with self.profiler.profiled(self._pass_kind):
             return self._forward_samples(unit, module, states, keep, only)
+
+    def _statistics_pass(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
+                         tokens: int | None = None) -> None:
+        """A pass for a processor's statistics (no state kept): over every sample, or over those of the first
+        `tokens` calibration tokens of the global order (the steps where some rank forwards one)."""
+        places = None if tokens is None or self.place_tokens is None else first_places(self.place_tokens, tokens)
+        steps = self.steps if self.steps is not None else len(states)
+        self._observed = places
+        try:
+            self._run_samples(unit, module, states, keep=False, only=steps_with(places, steps, self.dist.world_size))
+        finally:
+            self._observed = None
 
     def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                          keep: bool, only: set[int] | None) -> list[dict[str, Any]]:
@@ -102,6 +120,7 @@ class LayerWiseRunner:
             for step in range(steps):
                 if only is not None and step not in only:
                     continue
+                self._step = step
                 if self.report is not None:
                     self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
                 if step < len(states):
@@ -214,7 +233,10 @@ class LayerWiseRunner:
 
                 t0 = time.perf_counter()
                 ctx = UnitContext(unit, module, self.adapter, self.dist,
-                                  run_samples=lambda u=unit, m=module, s=states: self._run_samples(u, m, s, keep=False))
+                                  run_samples=lambda u=unit, m=module, s=states: self._statistics_pass(u, m, s),
+                                  run_first=lambda tokens, u=unit, m=module, s=states:
+                                  self._statistics_pass(u, m, s, tokens),
+                                  observing=lambda: observed_now(self._observed, self._step, self.dist))
                 for k, processor in enumerate(self.processors):
                     self._pass_kind = processor.name
                     t1 = time.perf_counter()

@@ -21,9 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from msmodelslim.core.dist import DistContext, current_token_source
+from msmodelslim.core.dist import DistContext
 from msmodelslim.core.report import REPORT_FILE, REPORT_VERSION, ranked
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.pipeline.assembly import observed_now, steps_with
 from msmodelslim.quant.modules import QuantLinear
 from msmodelslim.quant.sensitivity import InputSums, report_entry
 
@@ -58,20 +59,11 @@ class QuantReport:
 
     def steps_observed(self, steps: int) -> set[int] | None:
         """The steps at which some rank forwards an observed sample (the same on every rank); None: all."""
-        if self.positions is None:
-            return None
-        world = self.dist.world_size
-        return {s for s in range(steps) if any(s * world + r in self.positions for r in range(world))}
+        return steps_with(self.positions, steps, self.dist.world_size)
 
     def _observes(self) -> bool:
-        """Whether the tokens in progress are observed: those of the sample the rank they come from forwards now
-        (a routed expert under EP computes every rank's tokens; split_samples dealt rank r its step s from place
-        s * world + r)."""
-        if self.positions is None:
-            return True
-        source = current_token_source()
-        rank = self.dist.rank if source is None else source
-        return self._step * self.dist.world_size + rank in self.positions
+        """Whether the tokens in progress are observed (`assembly.observed_now`)."""
+        return observed_now(self.positions, self._step, self.dist)
 
     def finish_unit(self, unit: Unit, linears: list[tuple[str, QuantLinear]]) -> None:
         """Reduce the replicated linears' sums over ranks (the same names in the same order on every rank) and

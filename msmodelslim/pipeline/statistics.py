@@ -243,9 +243,14 @@ class TokenRanges(Statistic):
                stats: Stats) -> None:
         for name, inv in self.request.token_ranges.items():
             self.sums.setdefault(name, torch.zeros(inv.shape[0], dtype=torch.int64, device=self.device))
-        shared = dist.all_reduce_sum({n: v for n, v in self.sums.items() if replicated(n)})
-        totals = {**self.sums, **shared}
-        stats.token_ranges.update({n: totals[n].float() * self.quanta[n] for n in self.names})
+        shared = [n for n in self.names if replicated(n)]
+        counts = {f"n:{n}": torch.tensor([self.counts.get(n, 0)], dtype=torch.int64, device=self.device)
+                  for n in shared}
+        reduced = dist.all_reduce_sum({**{n: self.sums[n] for n in shared}, **counts})
+        for name in self.names:
+            total = reduced[name] if name in shared else self.sums[name]
+            stats.token_ranges[name] = total.float() * self.quanta[name]
+            stats.range_tokens[name] = int(reduced[f"n:{name}"]) if name in shared else self.counts.get(name, 0)
 
 
 def recall_window(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,10 @@ class UnitContext:
     dist: DistContext
     # Runs this rank's calibration samples through the unit as it is now (no state is kept).
     run_samples: Callable[[], None]
+    # The same over the samples of the first N calibration tokens only (`Observe.tokens`; None: every sample), and
+    # during such a pass whether the tokens in progress come from those samples (a hook records only then).
+    run_first: Callable[[int], None] | None = None
+    observing: Callable[[], bool] = lambda: True
     # Hessians (and their token counts) a pass gathered for a later processor (`Processor.hessians_ahead`)
     gathered: Stats = field(default_factory=Stats)
 

@@ -17,8 +17,12 @@ the earlier, so "no smoothing" wins unless smoothing helps). For each quantized 
 practice's linear_quant plan), with D = diag(1/s):
     weight part      tr(dW D H D dW^T),  dW = RTN(W diag(s)) - W diag(s),  H = X^T X
     activation part  ||W diag(s)||_F^2 * sum_t (max_j |x_tj| / s_j)^2 / (12 qmax_a^2)
-(the second is the per-token quantizer's uniform rounding noise on X / s). The runner records H and the per-token
-ranges in a second pass; both are exact integer sums, so the choice is the same on any number of ranks.
+(the second is the per-token quantizer's uniform rounding noise on X / s). H is over every calibration token when
+the first pass gathered it for a GPTQ entry after this one; else the second pass observes it. The per-token ranges
+are summed in the second pass over the samples of the first `search_tokens` calibration tokens (the same on any
+number of ranks) and scaled to H's tokens, so past that sample a token costs the search nothing. The ranges are
+exact integer sums and H is what pipeline/statistics.py guarantees, so the choice is the same on a rerun, on a
+resume, and across rank counts as far as H is.
 
 Expert parallelism: a subgraph whose readers are the routed experts (`across_ranks=True`: routed_expert_down_proj -> every
 expert's w1/w3, or the norm -> experts of a plain MoE) must get the same scale on every rank, but a rank holds only
@@ -120,6 +124,9 @@ def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor,
 # Config and processor
 # ---------------------------------------------------------------------------------------------------------------
 SEARCH_ALPHAS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9]
+# the search's token ranges are taken on the first 65,536 calibration tokens and scaled to all of them: an average
+# that many tokens pin down, so past them a token costs the search nothing (the Hessians see every token)
+DEFAULT_SEARCH_TOKENS = 1 << 16
 ERROR_GRID_BITS = 40  # readers' errors summed over ranks as integers in steps of 2^-40 of the largest
 
 
@@ -132,6 +139,7 @@ class IterSmoothConfig(ProcessorConfig):
     exclude: list[str] = field(default_factory=list)
     search: bool = False  # per subgraph: no smoothing or the best of search_alphas (module docstring); alpha unused
     search_alphas: list[float] = field(default_factory=lambda: list(SEARCH_ALPHAS))
+    search_tokens: int | None = DEFAULT_SEARCH_TOKENS  # the token ranges' sample (module docstring); null: all
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -141,6 +149,9 @@ class IterSmoothConfig(ProcessorConfig):
         if not self.search_alphas or not all(0.0 <= a <= 1.0 for a in self.search_alphas):
             raise ValueError(f"iter_smooth.search_alphas must be a non-empty list of values in [0, 1], "
                              f"got {self.search_alphas!r}")
+        if self.search_tokens is not None and self.search_tokens < 1:
+            raise ValueError(f"iter_smooth.search_tokens must be a positive number of tokens or null, "
+                             f"got {self.search_tokens!r}")
 
 
 @register_processor("iter_smooth", IterSmoothConfig)
@@ -278,10 +289,11 @@ class IterSmoothProcessor(Processor):
         stats = Stats()
         if token_ranges:
             reps = tuple(token_ranges)
-            stats = yield Observe(hessian=reps, token_ranges=token_ranges, ranges={n: absmax[n] for n in reps})
+            stats = yield Observe(hessian=reps, token_ranges=token_ranges, ranges={n: absmax[n] for n in reps},
+                                  tokens=self.config.search_tokens)
         jobs = []  # the error model is the heavy part: replicated subgraphs are spread over the ranks
         for i, sg in enumerate(subgraphs):
-            rows = [(modules[t].weight.data, readers[i][t], stats.hessian[group[0]], stats.token_ranges[group[0]])
+            rows = [(modules[t].weight.data, readers[i][t], stats.hessian[group[0]], _every_token(stats, group[0]))
                     for group in groups[i] for t in group]
             cost = len(candidates[i]) * sum(w.numel() * w.shape[-1] for w, *_ in rows)
             local = sg.across_ranks or any(ctx.adapter.is_rank_local(t) for t in readers[i])
@@ -316,8 +328,8 @@ class IterSmoothProcessor(Processor):
 
     def describe(self) -> dict[str, Any]:
         """{"iter_smooth": the settings}; per-rank counts stay out (the description must not depend on the ranks)."""
-        strength = {"search_alphas": list(self.config.search_alphas)} if self.config.search else \
-            {"alpha": self.config.alpha}
+        strength = {"search_alphas": list(self.config.search_alphas), "search_tokens": self.config.search_tokens} \
+            if self.config.search else {"alpha": self.config.alpha}
         return {"iter_smooth": {**strength, "scale_min": self.config.scale_min,
                                 "subgraph_types": list(self.config.enable_subgraph_type)}}
 
@@ -327,6 +339,15 @@ def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict
     errors = [[modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act) for c, s in enumerate(candidates)]
               for w, scheme, h, r in rows]
     return {"errors": torch.tensor(errors, dtype=torch.float32).reshape(len(rows), len(candidates))}
+
+
+def _every_token(stats: Stats, name: str) -> torch.Tensor:
+    """The token ranges of `name` summed over every token its Hessian saw: those of the search's sample, times the
+    Hessian's tokens over the sample's (1 when the sample is every token, so the sums are unchanged). A reader the
+    sample did not reach (a routed expert) gets none."""
+    seen, every = stats.range_tokens[name], stats.tokens[name]
+    ranges = stats.token_ranges[name]
+    return ranges * (every / seen) if seen else torch.zeros_like(ranges)
 
 
 def _input_groups(readers: tuple[str, ...], is_rank_local: Any) -> list[tuple[str, ...]]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,10 +23,10 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe
-from msmodelslim.model.base import Unit
+from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
 from msmodelslim.pipeline.statistics import HESSIAN_CHUNK_TOKENS
-from msmodelslim.processor.base import UnitContext
+from msmodelslim.processor.base import Processor, UnitContext
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = Unit("layers.0", "decoder", "model.layers.0.", 0)
@@ -206,3 +208,73 @@ def test_processors_issue_no_collective():
     offenders = [f"{p.relative_to(REPO)}:{i}" for p in (REPO / "msmodelslim" / "processor").rglob("*.py")
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, offenders
+
+
+class OneUnitAdapter(ModelAdapter):
+    """One unit, `two_readers`, reading each sample's `x` [tokens, 12]; counts the forwards."""
+
+    def __init__(self) -> None:
+        self.module = two_readers()
+        self.forwards = 0
+
+    def units(self) -> list[Unit]:
+        return [UNIT]
+
+    def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+        return self.module
+
+    def prepare_samples(self, records: list[Any]) -> list[dict[str, torch.Tensor]]:
+        return records
+
+    def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        self.forwards += 1
+        module["a"](state["x"])
+        module["b"](state["x"])
+        return state
+
+    def checkpoint_name(self, unit: Unit, live_name: str) -> str:
+        return live_name
+
+    def checkpoint_state(self, unit: Unit, module: nn.Module) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+
+class CappedRanges(Processor):
+    """Asks the token ranges of `a` on the first `tokens` calibration tokens, after an uncapped absmax pass."""
+
+    def __init__(self, tokens: int | None) -> None:
+        self.tokens, self.forwards, self.stats = tokens, [], None
+
+    def process_unit(self, ctx: UnitContext) -> Any:
+        ranges = (yield Observe(absmax=("a",))).absmax
+        before = ctx.adapter.forwards
+        self.stats = yield Observe(token_ranges={"a": INV}, ranges=ranges, tokens=self.tokens)
+        self.forwards = ctx.adapter.forwards - before
+
+
+INV = 1.0 / torch.stack([torch.ones(12), torch.linspace(0.5, 3, 12)])
+
+
+def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
+    """Observe(tokens=580) over samples of 5, 300, 7, 280, 6, 290 and 8 tokens: the dealing order starts 300, 290,
+    so the pass forwards those two samples only and its token ranges are theirs. Reference: the same request
+    uncapped over a unit that sees just those two samples (exact: integer sums); without a cap every sample."""
+    from msmodelslim.pipeline.assembly import place_tokens, split_samples
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+
+    g = torch.Generator().manual_seed(3)
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "x": torch.randn(n, 12, generator=g)}
+               for n in (5, 300, 7, 280, 6, 290, 8)]
+    found = {}
+    for cap in (580, None):
+        adapter, probe = OneUnitAdapter(), CappedRanges(cap)
+        LayerWiseRunner(adapter, [probe], [], prefetch=False, place_tokens=place_tokens(samples)).run(
+            split_samples(samples, 0, 1))
+        found[cap] = probe
+    module = two_readers()
+    ranges = observe(context(module, [s["x"] for s in samples]), Observe(absmax=("a",))).absmax  # every sample
+    reference = observe(context(module, [samples[1]["x"], samples[5]["x"]]),
+                        Observe(token_ranges={"a": INV}, ranges=ranges))
+    assert found[580].forwards == 2 and found[None].forwards == 7
+    assert found[580].stats.range_tokens["a"] == 590 and found[None].stats.range_tokens["a"] == 896
+    assert torch.equal(found[580].stats.token_ranges["a"], reference.token_ranges["a"])

@@ -316,6 +316,7 @@ def test_include_exclude_match_checkpoint_names():
 
 @pytest.mark.parametrize("kw,match", [
     ({"alpha": 1.5}, "alpha"), ({"scale_min": 0.0}, "scale_min"), ({"enable_subgraph_type": ["qkv"]}, "qkv"),
+    ({"search_tokens": 0}, "search_tokens"),
 ])
 def test_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
