@@ -12,6 +12,7 @@ spec:
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   micro_batch_tokens: 8192                     # optional; records of one length share a forward up to this
   report_tokens: 65536                         # optional; the quant report observes this many tokens (null: all)
+  resume_every: 1                              # optional; the resumable state is kept after every this many units
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
 `spec.process` / `spec.save` become lists of `PracticeStep(type, config, cls)`. Processor and saver entries are built
@@ -448,11 +449,15 @@ class Spec(StrictConfig):
     # Every routed expert computes on every token in the statistics passes (its Hessian and ranges see all of its
     # rank's tokens, not the ~top-k / E the router sends it); the layer's output keeps the router's choice.
     calibrate_all_experts: bool = False
+    # The resumable state (pipeline/resume.py) is kept after every this many units and after the last: a resume
+    # recomputes at most resume_every - 1 units, and a run writes the samples' state (Kimi-K3: 126 KiB per token
+    # and rank) that many times less often.
+    resume_every: int = 1
 
     def validate(self) -> None:
         if not self.dataset.strip():
             raise ValueError("dataset must not be empty")
-        for name in ("max_samples", "max_seq_len", "micro_batch_tokens", "report_tokens"):
+        for name in ("max_samples", "max_seq_len", "micro_batch_tokens", "report_tokens", "resume_every"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -206,7 +206,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                            host_budget(torchrun.local_world_size if torchrun else world))
         runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
                                  resume=resume, resume_after=request.resume_after, report=report, spill=spill,
-                                 profiler=pass_profiler(device), place_tokens=place_tokens(samples))
+                                 profiler=pass_profiler(device), place_tokens=place_tokens(samples),
+                                 resume_every=spec.resume_every)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):

@@ -39,7 +39,7 @@ from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
-from msmodelslim.pipeline.resume import KEEP, ResumeState
+from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, state_bytes
 from msmodelslim.processor.base import OutputExtras, Processor
 
@@ -65,7 +65,8 @@ class LayerWiseRunner:
                  dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
                  resume: ResumeState | None = None, resume_after: int | None = None,
                  report: QuantReport | None = None, spill: StateSpill | None = None,
-                 profiler: PassProfiler | None = None, place_tokens: Sequence[int] | None = None) -> None:
+                 profiler: PassProfiler | None = None, place_tokens: Sequence[int] | None = None,
+                 resume_every: int = 1) -> None:
         self.adapter = adapter
         self.processors = list(processors)
         self.savers = list(savers)
@@ -76,6 +77,7 @@ class LayerWiseRunner:
         self.stats = RunStats()
         self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
         self.resume_after = resume_after  # continue after this unit, from its kept state
+        self.resume_every = resume_every  # keep the resumable state after every this many units (and the last)
         self.report = report  # the quant report (pipeline/report.py), collected during the forwards
         self.spill = spill  # where the samples' state goes past the host budget (pipeline/spill.py), if anywhere
         self.profiler = profiler  # each pass's operators ($MSMODELSLIM_PROFILE, benchmarks), if anything
@@ -155,8 +157,8 @@ class LayerWiseRunner:
         waits only for the previous write, so a run spends on its resumable state what the disk cannot hide."""
         t0 = time.perf_counter()
         self._wait_for_state()
-        if self.spill is not None:  # the spilled states no kept unit refers to any more
-            self.spill.drop_before(index - KEEP)
+        if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
+            self.spill.drop_before(index, keep=set(self.resume.finished(self.dist.rank)))
         snapshot = {
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],
@@ -270,7 +272,7 @@ class LayerWiseRunner:
                 self.adapter.free_unit(unit, module)
                 release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
                 self.stats.add("save", time.perf_counter() - t0)
-                if self.resume is not None:
+                if self.resume is not None and ((i + 1) % self.resume_every == 0 or i + 1 == len(units)):
                     self._keep_state(i, states)
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)

@@ -97,12 +97,13 @@ class StateSpill:
         torch.save(state, path)
         return Spilled(str(path), path.stat().st_size)
 
-    def drop_before(self, unit: int) -> None:
-        """Delete the folders of units before `unit` (no kept state refers to them any more)."""
+    def drop_before(self, unit: int, keep: set[int] = frozenset()) -> None:
+        """Delete the folders of units before `unit` but those of `keep` (the units a kept state refers to)."""
         if not self.folder.is_dir():
             return
         for child in self.folder.iterdir():
-            if child.name.startswith("unit") and child.name[4:].isdigit() and int(child.name[4:]) < unit:
+            if child.name.startswith("unit") and child.name[4:].isdigit() and int(child.name[4:]) < unit \
+                    and int(child.name[4:]) not in keep:
                 shutil.rmtree(child, ignore_errors=True)
 
     def close(self) -> None:

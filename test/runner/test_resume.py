@@ -47,7 +47,7 @@ def reference(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest
     made: dict[str, Path] = {}
 
     def get(device: str, model: Path = tiny_k3_checkpoint, model_type: str = "Kimi-K3", prac: Path = practice):
-        key = f"{model.name}:{device}"
+        key = f"{model.name}:{device}:{prac}"
         if key not in made:
             out = tmp_path_factory.mktemp("reference") / "out"
             quant(QuantArgs(model_path=str(model), save_path=str(out), device=device, model_type=model_type,
@@ -335,3 +335,28 @@ def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_fro
     assert main([*args, "--resume"]) == 0
     assert_same_files(reference("cpu"), save)
     assert os.listdir(tmp_path) == ["out"]  # the spilled state went with the resumable state
+
+
+def test_a_run_that_keeps_its_state_every_second_unit_resumes_to_the_uninterrupted_output(
+        tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
+    # spec.resume_every 2: the state is kept after units 1, 3, 5, ... (embed, layers.1, ...) and the last. Killed
+    # after layers.2 (unit 4, not kept), the run resumes after layers.1 and recomputes layers.2; with every state
+    # spilled, the kept units' files survive while the others' go. Reference: the same practice run uninterrupted,
+    # bytes.
+    import yaml
+
+    from msmodelslim.pipeline.spill import BUDGET_ENV
+
+    every = tmp_path / "every2.yaml"
+    data = yaml.safe_load(practice.read_text())
+    data["spec"]["resume_every"] = 2
+    every.write_text(yaml.safe_dump(data, sort_keys=False))
+    expected = reference("cpu", prac=every)
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    save = tmp_path / "out"
+    args = command(tiny_k3_checkpoint, save, "cpu", every)
+    stop_after(args, "layers.2", "sigkill", tmp_path)
+    kept = sorted(p.name for p in (tmp_path / ".out.partial").rglob("resume/rank0/unit*.pt"))
+    assert kept and all(int(name[4:9]) % 2 == 1 for name in kept), kept
+    assert main([*args, "--resume"]) == 0
+    assert_same_files(expected, save)
