@@ -59,7 +59,7 @@ def shards(sizes: list[int], limit: int) -> list[int]:
 
 
 def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
-               tokens: int, samples: int, largest_sample: int = 0) -> dict[str, Any]:
+               tokens: int, samples: int, largest_sample: int = 0, resume_every: int = 1) -> dict[str, Any]:
     from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, planned_configs
     from msmodelslim.processor.save.ascendv1_saver import quant_tensor_bytes, source_float_dtypes
 
@@ -137,7 +137,7 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
     rank_bytes = [sum(r) for r in rank_shards]
 
     memory = _memory(units, linears, unit_weights, world, largest_sample, GPTQ_BATCH_BYTES, limit)
-    memory["host_state"] = host_state(adapter, tokens, world)
+    memory["host_state"] = host_state(adapter, tokens, world, resume_every)
     return {
         "units": [{"name": u.name, "kind": u.kind} for u in units],
         "linear_quant": selections,

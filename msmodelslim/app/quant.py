@@ -611,7 +611,7 @@ def plan(args: QuantArgs) -> dict[str, Any]:
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
         largest = max(map(sample_tokens, samples), default=0)
         result = build_plan(adapter, processors, save_config, checked.device.world_size, checked.device.type,
-                            tokens, len(samples), largest)
+                            tokens, len(samples), largest, spec.resume_every)
     finally:
         adapter.close()
     result["practice"] = str(checked.chosen.path)

@@ -35,7 +35,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)
-    check_host_memory(adapter, sum(map(sample_tokens, samples)), world or adapter.dist.world_size)
+    check_host_memory(adapter, sum(map(sample_tokens, samples)), world or adapter.dist.world_size, spec.resume_every)
     processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
                                 adapter)
     planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
@@ -46,7 +46,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     return samples, processors
 
 
-def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
+def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> dict[str, Any]:
     """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
     a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
     MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
@@ -61,16 +61,17 @@ def host_state(adapter: Any, tokens: int, world: int) -> dict[str, Any]:
     return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
             "attn_res_blocks": blocks, "mtp_inputs": mtp,
             # on the save path's disk, all ranks: the resumable state keeps the last KEEP units' states, one more is
-            # written, and spilled states of the unit in progress (pipeline/resume.py, spill.py)
-            "disk_bytes": (KEEP + 2) * per_token * tokens}
+            # written, and the spilled states of the units since the last kept one (`spec.resume_every`) and of the
+            # unit in progress (pipeline/resume.py, spill.py)
+            "disk_bytes": (KEEP + 1 + resume_every) * per_token * tokens}
 
 
-def check_host_memory(adapter: ModelAdapter, tokens: int, world: int) -> None:
+def check_host_memory(adapter: ModelAdapter, tokens: int, world: int, resume_every: int = 1) -> None:
     """Say, before any compute, how much host memory the samples' state between units takes per rank, and that
     past the rank's budget it is kept on disk (pipeline/spill.py)."""
     if not tokens:
         return
-    state = host_state(adapter, tokens, world)
+    state = host_state(adapter, tokens, world, resume_every)
     ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     budget = host_budget(ranks)
     what = (f"the calibration samples' state between units takes ~{state['bytes'] / GIB:.2f} GiB of host memory per "

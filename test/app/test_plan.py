@@ -165,6 +165,8 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
     assert estimate["bytes_per_token"] * tokens == carried
     assert estimate["bytes"] == 2 * estimate["bytes_per_token"] * (tokens // 2)  # per rank, held twice
     assert estimate["disk_bytes"] == 5 * estimate["bytes_per_token"] * tokens  # all ranks: 3 kept units + 2
+    every = host_state(adapter, tokens, world=2, resume_every=4)  # + the spilled states of 3 unkept units
+    assert every["disk_bytes"] == 8 * estimate["bytes_per_token"] * tokens
 
 
 def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compute(tiny_k3_checkpoint, tmp_path,
