@@ -49,16 +49,18 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
 def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> dict[str, Any]:
     """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
     a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
-    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id; held twice while a unit's
-    outputs replace its inputs. It grows with the calibration tokens; past the rank's budget the runner keeps it on
-    disk (pipeline/spill.py)."""
+    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id. While a unit's outputs
+    replace its inputs both are held, but they share what the unit passes through untouched (`HostCopies`: all but
+    the new hidden state). It grows with the calibration tokens; past the rank's budget the runner keeps it on disk
+    (pipeline/spill.py)."""
     text = adapter.text_config
     units = adapter.units()
     block = getattr(text, "attn_res_block_size", None)
     blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
     mtp = any(u.kind == "mtp" for u in units)
-    per_token = (1 + blocks + int(mtp)) * int(text.hidden_size) * adapter.dtype.itemsize + 8
-    return {"bytes_per_token": per_token, "bytes": 2 * per_token * math.ceil(tokens / world),
+    hidden = int(text.hidden_size) * adapter.dtype.itemsize
+    per_token = (1 + blocks + int(mtp)) * hidden + 8
+    return {"bytes_per_token": per_token, "bytes": (per_token + hidden) * math.ceil(tokens / world),
             "attn_res_blocks": blocks, "mtp_inputs": mtp,
             # on the save path's disk, all ranks: the resumable state keeps the last KEEP units' states, one more is
             # written, and the spilled states of the units since the last kept one (`spec.resume_every`) and of the
@@ -75,7 +77,8 @@ def check_host_memory(adapter: ModelAdapter, tokens: int, world: int, resume_eve
     ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     budget = host_budget(ranks)
     what = (f"the calibration samples' state between units takes ~{state['bytes'] / GIB:.2f} GiB of host memory per "
-            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, held twice) and up to "
+            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, and the new hidden states while a "
+            f"unit replaces them) and up to "
             f"~{state['disk_bytes'] / GIB:.2f} GiB in the temporary output (the resumable state)")
     if state["bytes"] > budget:
         logger.info("%s; past %.2f GiB per rank ($%s, else half the available memory over the host's ranks) it is "

@@ -138,9 +138,17 @@ def test_a_missing_shard_fails_the_plan_with_the_run_s_line(tiny_k3_checkpoint, 
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def _tensors(state: dict) -> list:
+    import torch
+
+    return [v for v in state.values() if isinstance(v, torch.Tensor)] + list(state.get("attn_res_blocks", []))
+
+
 def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkpoint):
     # reference: the bytes of the state one token leaves after the last decoder unit of a real layer-wise forward
-    # (hidden state, the finished attention-residual blocks, the MTP input embeddings, the token id), exact
+    # (hidden state, the finished attention-residual blocks, the MTP input embeddings, the token id), exact; and
+    # every decoder unit returns all of its input state but a new hidden state as the same tensors, which the runner
+    # then shares between inputs and outputs (HostCopies): one hidden state more while a unit replaces the state
     import torch
 
     from msmodelslim.app.plan import host_state
@@ -154,16 +162,20 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
             if unit.kind == "vision":
                 continue
             module = adapter.load_unit(unit, torch.device("cpu"))
+            before = {id(t) for t in _tensors(state)}
             state = adapter.forward_unit(unit, module, state)
             adapter.free_unit(unit, module)
+            if unit.kind == "decoder":
+                new = [t for t in _tensors(state) if id(t) not in before]
+                assert len(new) == 1 and new[0] is state["hidden_states"], unit.name
             if unit is last:
                 break
-        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)] + list(state.get("attn_res_blocks", []))
-        carried = sum(t.numel() * t.element_size() for t in tensors)
+        carried = sum(t.numel() * t.element_size() for t in _tensors(state))
         estimate = host_state(adapter, tokens, world=2)
     assert estimate["attn_res_blocks"] == len(state["attn_res_blocks"]) > 0 and estimate["mtp_inputs"]
     assert estimate["bytes_per_token"] * tokens == carried
-    assert estimate["bytes"] == 2 * estimate["bytes_per_token"] * (tokens // 2)  # per rank, held twice
+    hidden = state["hidden_states"].numel() // tokens * state["hidden_states"].element_size()
+    assert estimate["bytes"] == (estimate["bytes_per_token"] + hidden) * (tokens // 2)  # per rank, in a unit
     assert estimate["disk_bytes"] == 5 * estimate["bytes_per_token"] * tokens  # all ranks: 3 kept units + 2
     every = host_state(adapter, tokens, world=2, resume_every=4)  # + the spilled states of 3 unkept units
     assert every["disk_bytes"] == 8 * estimate["bytes_per_token"] * tokens
@@ -182,7 +194,8 @@ def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compu
     with caplog.at_level(logging.INFO, logger="msmodelslim.pipeline.assembly"):
         state = plan(args)["memory_per_rank"]["host_state"]
     assert re.search(rf"state between units takes ~\d+\.\d+ GiB of host memory per rank \(\d+ tokens x "
-                     rf"{state['bytes_per_token']} bytes, held twice\) and up to ~\d+\.\d+ GiB in the temporary output \(the "
+                     rf"{state['bytes_per_token']} bytes, and the new hidden states while a unit replaces them\) "
+                     rf"and up to ~\d+\.\d+ GiB in the temporary output \(the "
                      rf"resumable state\); past 0\.00 GiB per rank .* it is kept on disk",
                      caplog.text)
     monkeypatch.setenv(BUDGET_ENV, "-1")

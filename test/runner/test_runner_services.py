@@ -278,3 +278,20 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     assert found[580].forwards == 2 and found[None].forwards == 7
     assert found[580].stats.range_tokens["a"] == 590 and found[None].stats.range_tokens["a"] == 896
     assert torch.equal(found[580].stats.token_ranges["a"], reference.token_ranges["a"])
+
+
+def test_a_unit_output_passed_through_untouched_goes_back_as_its_host_tensor(monkeypatch):
+    """HostCopies: of a state moved to a device (here `meta`, which copies) the unit returns one input unchanged, one
+    written in place and one new tensor. Only the first comes back as the host tensor it came from; the others are
+    copied back (here: a stand-in copy of zeros)."""
+    from msmodelslim.pipeline import layer_wise
+
+    monkeypatch.setattr(layer_wise, "to_host", lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    host = {"kept": torch.ones(3), "written": torch.ones(3), "blocks": [torch.ones(2)]}
+    copies = layer_wise.HostCopies()
+    moved = copies.to_device(host, torch.device("meta"))
+    assert moved["kept"].device.type == "meta"
+    moved["written"].add_(1)  # in place: the host tensor no longer holds its values
+    back = copies.to_host({**moved, "new": torch.empty(4, device="meta")})
+    assert back["kept"] is host["kept"] and back["blocks"][0] is host["blocks"][0]
+    assert back["written"] is not host["written"] and back["new"].shape == (4,)
