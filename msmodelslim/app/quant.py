@@ -416,6 +416,7 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
     work_dir, expected, after = _check_state(plan, args)
     if after is not None:
         logger.info("--resume: continuing the run in %s after unit %d", work_dir, after)
+        ResumeState(work_dir).drop_interrupted_writes()  # before any rank writes again
         return work_dir, after
     try:
         discarded = _side_name(plan.save_path, "discarded")

@@ -18,10 +18,10 @@ process runs it), under `resume/`:
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
-A resumed run restores every rank at the last unit all of them finished, drops what a rank wrote after it, and
-runs the remaining units; its output is byte-identical to an uninterrupted run's. Before the savers merge their
-shards into the output's names the state is dropped (`invalidate`: one rename), so a stop after that point never
-leaves state that claims to be resumable.
+A resumed run restores every rank at the last unit all of them finished, drops what a rank wrote after it (and a
+shard a killed rank left half-written), and runs the remaining units; its output is byte-identical to an
+uninterrupted run's. Before the savers merge their shards into the output's names the state is dropped
+(`invalidate`: one rename), so a stop after that point never leaves state that claims to be resumable.
 """
 
 from __future__ import annotations
@@ -163,6 +163,14 @@ class ResumeState:
         if problems:
             raise UserError(f"the resumable state is damaged ({problems[0]}; {len(problems)} file(s)); discard it "
                             f"with --fresh")
+
+    def drop_interrupted_writes(self) -> None:
+        """Remove the files a killed rank was writing when it died: safetensors writes a shard to `.tmpXXXXXX` in
+        the temporary output and renames it when complete, so a kill mid-write leaves one that would be
+        published with the output."""
+        for path in self.work_dir.iterdir():
+            if path.name.startswith(".tmp") and path.is_file():
+                path.unlink(missing_ok=True)
 
     def load(self, rank: int, unit: int) -> dict[str, Any]:
         path = self._unit_path(rank, unit)

@@ -226,6 +226,14 @@ def test_a_plain_run_that_meets_resumable_state_names_both_choices(tiny_k3_check
     assert refused([*args, "--plan"], capsys) == line  # the plan makes the same check
 
 
+def test_a_resume_drops_the_shard_a_killed_rank_was_writing(tiny_k3_checkpoint, practice, reference, state_copy):
+    # safetensors writes a shard to .tmpXXXXXX beside the others and renames it when done: a rank killed mid-write
+    # leaves one, which must not be published with the output. Reference: the uninterrupted output, bytes and names.
+    (state_copy / ".out.partial" / ".tmpkAwrEQ").write_bytes(b"half a shard")
+    assert main([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"]) == 0
+    assert_same_files(reference("cpu:0,1"), state_copy / "out")
+
+
 def test_fresh_discards_the_state_and_starts_over(tiny_k3_checkpoint, practice, reference, state_copy):
     assert main([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--fresh"]) == 0
     assert_same_files(reference("cpu:0,1"), state_copy / "out")
