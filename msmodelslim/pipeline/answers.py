@@ -117,22 +117,19 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
 def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str] = ()) -> Stats:
     """`observe`, with the Hessians of `ahead` gathered in the same pass and kept for a later processor
     (`ctx.gathered`), and the Hessians an earlier pass gathered for this request handed over instead of observed
-    (kept too where `ahead` names them again): no pass at all when nothing else is asked. A Hessian asked now and
-    gathered for later is one object in both places: whoever changes it makes a new one."""
+    (kept too where `ahead` names them again: then it is one object in both places, and whoever changes it makes
+    a new one): no pass at all when nothing else is asked."""
     gathered = ctx.gathered
     # a capped pass gathers nothing: later processors want Hessians of every token
     gathering = () if request.tokens is not None else ahead
     kept = [n for n in request.hessian if n in gathered.hessian]
     extra = [n for n in gathering if n not in request.hessian and n not in gathered.hessian]
-    also = [n for n in gathering if n in request.hessian and n not in gathered.hessian]
     if kept or extra:
         request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
     asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges
     stats = observe(ctx, request) if asks else Stats()
     for name in extra:
         gathered.hessian[name], gathered.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
-    for name in also:
-        gathered.hessian[name], gathered.tokens[name] = stats.hessian[name], stats.tokens[name]
     ahead_set = set(ahead)
     for name in kept:
         h, tokens = (gathered.hessian[name], gathered.tokens[name]) if name in ahead_set else \
