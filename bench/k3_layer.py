@@ -114,7 +114,8 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
         folder, records = long_record_set(t, args.max_seq_len)
         return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}_{batch}.yaml", records,
                                  args.max_seq_len, dataset=folder,
-                                 spec=None if batch is None else {"micro_batch_tokens": batch})
+                                 spec={**({} if batch is None else {"micro_batch_tokens": batch}),
+                                       **({} if args.resume_every is None else {"resume_every": args.resume_every})})
 
     # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
     # micro-batch size autotuned again (2.5 min inside a timed run on the H200), so each variant warms up
@@ -132,9 +133,13 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             run = run_quant(model, out, args.device, practice_for(t, batch), tree=tree)["ranks"][0]
             run["tokens_requested"] = t
             results[name].append(run)
+            # every stage as it comes, so a run cut by a call's limit still tells where its time went
             print(json.dumps({"variant": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
                               "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
-                              "peak_rss_gb": round(run["peak_rss_gb"], 2)}), flush=True)
+                              "peak_rss_gb": round(run["peak_rss_gb"], 2),
+                              "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
+                                           and k not in ("runner_wall", "peak_rss_gb", "peak_device_gb")}}),
+                  flush=True)
     summary = {}
     for name, runs in results.items():
         per_size = [{"tokens": r["tokens_requested"], "layer_s": round(r["runner_wall"], 1),
@@ -168,6 +173,9 @@ def main() -> None:
                                                            "pass of a run at the smallest size")
     p.add_argument("--micro-batch-tokens", default=None, help="with --tokens: comma-separated spec.micro_batch_tokens "
                                                                "values, each a variant (default: the practice's)")
+    p.add_argument("--resume-every", type=int, default=None,
+                   help="with --tokens: spec.resume_every (the resumable state of all T tokens, ~14 KiB each, must "
+                        "fit the disk: 5 units' states at 1M tokens are 70 GiB)")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")

@@ -240,6 +240,9 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
     return dequantize(qweight, scale, dtype=dtype)
 
 
+CPU_PRODUCT_ROWS = 1024  # rows per piece of a quantized product on the CPU: its float32 [rows, out] fits the cache
+
+
 def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """qx @ qweight^T of int8 tensors as float32. On CPUs an int32 GEMM, exact like the deployed int8 GEMM and
     without a float copy of the weight (a 4 MB temporary per expert call otherwise); elsewhere float32 products on
@@ -340,7 +343,7 @@ class QuantLinear(nn.Module):
         x_quant = None  # what the kernel multiplies by, for the observer
         if isinstance(act, IntDtype):
             qx, sx = quantize_per_token(x, act)
-            y = self.integer_product(qx, sx).to(out_dtype)
+            y = self.integer_product(qx, sx, out_dtype)
             if observer is not None:
                 x_quant = qx.to(torch.float32) * sx
         else:  # MX: elements times powers of two are exact in the model dtype
@@ -353,8 +356,22 @@ class QuantLinear(nn.Module):
             observer.record(x, x_quant, y)
         return y
 
-    def integer_product(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        """The output (float32, before the bias) of per-token quantized inputs (qx int8, sx float32 [..., 1])."""
+    def integer_product(self, qx: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The output before the bias, computed in float32 and cast to `dtype`, of per-token quantized inputs (qx
+        int8, sx float32 [..., 1]). On the CPU in pieces of CPU_PRODUCT_ROWS rows: each piece's float32 epilogue
+        (scales, cast) runs in cache, not through memory (3.5x at 8192 x 512 -> 1536); the values are the same,
+        row by row."""
+        rows = qx.reshape(-1, qx.shape[-1])
+        if qx.device.type != "cpu" or rows.shape[0] <= CPU_PRODUCT_ROWS:
+            return self._float_product(qx, sx).to(dtype)
+        scales = sx.reshape(-1, 1)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
+        for start in range(0, rows.shape[0], CPU_PRODUCT_ROWS):
+            end = start + CPU_PRODUCT_ROWS
+            out[start:end] = self._float_product(rows[start:end], scales[start:end])
+        return out.view(*qx.shape[:-1], self.out_features)
+
+    def _float_product(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         if self.weight_scale.shape[-1] > 1:  # per-group scales do not factor out of the sum: float32 products
             return (qx.to(torch.float32) @ self.dequantized_weight().t()).mul_(sx)
         return _integer_matmul(qx, self.qweight).mul_(sx).mul_(self.weight_scale.t())  # in place: a fresh product
@@ -396,10 +413,10 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
             if act not in quantized:
                 quantized[act] = quantize_per_token(x, act)
             qx, sx = quantized[act]
-            pieces[j].append(module.integer_product(qx[start:end], sx[start:end]))
+            pieces[j].append(module.integer_product(qx[start:end], sx[start:end], x.dtype))
             if module.observer is not None and module.observer.active():
                 observed.append((module, j, start, end))
-    outputs = [torch.cat(p).to(x.dtype) for p in pieces]
+    outputs = [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
     x_quant = {act: qx.to(torch.float32) * sx for act, (qx, sx) in quantized.items()} if observed else {}
     for module, j, start, end in observed:  # the quant report's sums, as QuantLinear.forward records them
         module.observer.record(x[start:end], x_quant[module.scheme.act][start:end], outputs[j][start:end])
