@@ -20,6 +20,10 @@ import torch
 from msmodelslim.core.device import synchronize
 
 PROFILE_ENV = "MSMODELSLIM_PROFILE"  # a file prefix: `<prefix>.rank<r>`
+# set too: `<prefix>.rank<r>.where`, each pass kind's host time by operator and the two innermost calling functions
+# of this package or the model's code (Python stacks recorded: a slower profile)
+WHERE_ENV = "MSMODELSLIM_PROFILE_WHERE"
+_OWN_CODE = ("msmodelslim", "modeling")  # frames that name a place worth changing
 # Operators that only make a new view of a tensor (no device kernel): left out of the leaf count
 _METADATA_OPS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::slice", "aten::select",
                            "aten::t", "aten::transpose", "aten::permute", "aten::expand", "aten::unsqueeze",
@@ -42,6 +46,8 @@ class PassProfiler:
         # per pass kind: leaf operators that compute (no operator below them, not a view): on an accelerator about
         # one kernel launch each, so a CPU run counts the launches a pass would make there
         self.leaves: dict[str, int] = defaultdict(int)
+        self.where: dict[str, dict[str, float]] | None = defaultdict(lambda: defaultdict(float)) \
+            if os.environ.get(WHERE_ENV) else None  # per pass kind: "caller < caller's caller operator" -> host us
 
     @contextlib.contextmanager
     def profiled(self, kind: str) -> Iterator[None]:
@@ -49,23 +55,38 @@ class PassProfiler:
             ([torch.profiler.ProfilerActivity.CUDA] if self.on_gpu else [])
         synchronize(self.device)
         start = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, with_stack=self.where is not None) as prof:
             yield
             synchronize(self.device)
         self.walls[kind] += time.perf_counter() - start
         self.passes[kind] += 1
         self.leaves[kind] += sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
                                  and not e.cpu_children and e.name not in _METADATA_OPS)
+        if self.where is not None:
+            self._record_where(kind, prof.events())
         for event in prof.key_averages():
             device_us = float(getattr(event, "self_device_time_total", 0.0))
             if event.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or a device copy / memset)
                 self.kernels[kind][0] += event.count
                 self.kernels[kind][1] += device_us
                 continue
+            if ".py(" in event.key or event.key.startswith("<built-in"):  # a Python frame (WHERE_ENV): no operator
+                continue
             row = self.ops[kind][event.key]
             row[0] += event.count
             row[1] += float(event.self_cpu_time_total)
             row[2] += device_us
+
+    def _record_where(self, kind: str, events: list) -> None:
+        for event in events:
+            if event.cpu_children or not event.name.startswith("aten::"):
+                continue
+            callers, frame = [], event.cpu_parent
+            while frame is not None and len(callers) < 2:
+                if ".py(" in frame.name and any(part in frame.name for part in _OWN_CODE):
+                    callers.append(frame.name.rsplit("/", 1)[-1])
+                frame = frame.cpu_parent
+            self.where[kind][f"{' < '.join(callers) or '?'} {event.name}"] += event.self_cpu_time_total
 
     def write(self, path: Path, top: int = 25) -> None:
         lines = []
@@ -83,6 +104,13 @@ class PassProfiler:
             by_calls = sorted(self.ops[kind].items(), key=lambda kv: kv[1][0], reverse=True)[:15]
             lines.append("  by calls: " + ", ".join(f"{n} {int(r[0])}" for n, r in by_calls))
         path.write_text("\n".join(lines) + "\n")
+        if self.where is not None:
+            where = []
+            for kind, places in self.where.items():
+                where.append(f"== {kind}: host seconds by operator and its callers")
+                where += [f"{us / 1e6:9.3f} {place}" for place, us in
+                          sorted(places.items(), key=lambda kv: kv[1], reverse=True)[:2 * top]]
+            Path(f"{path}.where").write_text("\n".join(where) + "\n")
 
 
 def pass_profiler(device: torch.device) -> PassProfiler | None:

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.functional import (
+    CPU_PIECE_ROWS,
     dequantize,
     grid_scale_search,
     minmax_scale,
@@ -240,9 +241,6 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
     return dequantize(qweight, scale, dtype=dtype)
 
 
-CPU_PRODUCT_ROWS = 1024  # rows per piece of a quantized product on the CPU: its float32 [rows, out] fits the cache
-
-
 def _integer_matmul(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """qx @ qweight^T of int8 tensors as float32. On CPUs an int32 GEMM, exact like the deployed int8 GEMM and
     without a float copy of the weight (a 4 MB temporary per expert call otherwise); elsewhere float32 products on
@@ -358,16 +356,16 @@ class QuantLinear(nn.Module):
 
     def integer_product(self, qx: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The output before the bias, computed in float32 and cast to `dtype`, of per-token quantized inputs (qx
-        int8, sx float32 [..., 1]). On the CPU in pieces of CPU_PRODUCT_ROWS rows: each piece's float32 epilogue
+        int8, sx float32 [..., 1]). On the CPU in pieces of CPU_PIECE_ROWS rows: each piece's float32 epilogue
         (scales, cast) runs in cache, not through memory (3.5x at 8192 x 512 -> 1536); the values are the same,
         row by row."""
         rows = qx.reshape(-1, qx.shape[-1])
-        if qx.device.type != "cpu" or rows.shape[0] <= CPU_PRODUCT_ROWS:
+        if qx.device.type != "cpu" or rows.shape[0] <= CPU_PIECE_ROWS:
             return self._float_product(qx, sx).to(dtype)
         scales = sx.reshape(-1, 1)
         out = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
-        for start in range(0, rows.shape[0], CPU_PRODUCT_ROWS):
-            end = start + CPU_PRODUCT_ROWS
+        for start in range(0, rows.shape[0], CPU_PIECE_ROWS):
+            end = start + CPU_PIECE_ROWS
             out[start:end] = self._float_product(rows[start:end], scales[start:end])
         return out.view(*qx.shape[:-1], self.out_features)
 

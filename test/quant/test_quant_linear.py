@@ -44,14 +44,13 @@ def test_forward_equals_explicit_dequantised_math(scheme, wbits, abits):
 
 
 def test_a_cpu_product_in_row_pieces_has_the_bytes_of_the_whole_product():
-    """More rows than CPU_PRODUCT_ROWS (3D input, a short last piece): the output equals, bit for bit, the engine's
+    """More rows than CPU_PIECE_ROWS (3D input, a short last piece): the output equals, bit for bit, the engine's
     formula over all rows at once, int32 GEMM -> float32 * sx * weight_scale -> bf16 (written out here)."""
-    from msmodelslim.quant.functional import quantize_per_token
-    from msmodelslim.quant.modules import CPU_PRODUCT_ROWS
+    from msmodelslim.quant.functional import CPU_PIECE_ROWS, quantize_per_token
 
     torch.manual_seed(0)
     ql = QuantLinear.from_linear(nn.Linear(64, 48, bias=False), "W8A8_DYNAMIC", weight_method="minmax")
-    x = torch.randn(3, CPU_PRODUCT_ROWS - 100, 64).bfloat16()  # 2,772 rows: pieces of 1,024, 1,024 and 724
+    x = torch.randn(3, CPU_PIECE_ROWS - 100, 64).bfloat16()  # 2,772 rows: pieces of 1,024, 1,024 and 724
     qx, sx = quantize_per_token(x, 8)
     whole = torch._int_mm(qx.reshape(-1, 64), ql.qweight.t()).to(torch.float32) * sx.reshape(-1, 1) \
         * ql.weight_scale.t()
