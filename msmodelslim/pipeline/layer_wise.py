@@ -159,7 +159,7 @@ class LayerWiseRunner:
         t0 = time.perf_counter()
         self._wait_for_state()
         if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
-            self.spill.drop_before(index, keep=set(self.resume.finished(self.dist.rank)))
+            self.spill.drop_before(index, keep=set(self.resume.latest(self.dist.rank)))
         snapshot = {
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],

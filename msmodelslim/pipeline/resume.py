@@ -12,9 +12,13 @@ process runs it), under `resume/`:
   renamed, the folder fsynced: a file with its final name is complete. Written in the background while the next
   unit computes (pipeline/layer_wise.py). Each rank keeps its last three (ranks finish a unit in lock-step, so the
   slowest rank is at most one unit behind the fastest, and its write at most one more);
-- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file and of every shard the
-  rank's savers had written by then. `--resume` checks them all before any compute (a damaged file that is still a
-  valid archive, a truncated shard) and refuses with one line;
+- incremental: a state tensor already in an earlier kept file of the rank, unchanged (the same tensor object at the
+  same version: a unit passes its finished attention-residual blocks, MTP inputs and token ids through untouched,
+  `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again. A Kimi-K3 unit
+  then writes its new hidden state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
+- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file, of the files it refers
+  to and of every shard the rank's savers had written by then. `--resume` checks them all before any compute (a
+  damaged file that is still a valid archive, a truncated shard) and refuses with one line;
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
@@ -31,8 +35,9 @@ import json
 import os
 import re
 import shutil
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +78,24 @@ def write_atomic(path: Path, write: Any) -> None:
     _fsync_dir(path.parent)
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A state tensor kept in this rank's earlier file of `unit`: the tensor at `path` (keys and indices) in that
+    file's `states[sample]`."""
+
+    unit: int
+    sample: int
+    path: tuple[Any, ...]
+
+
 @dataclass
 class ResumeState:
     """The resumable state of one run's temporary output `work_dir`."""
 
     work_dir: Path
+    # the state tensors of the last file written or read, by id: (a weak reference, its version, where it is kept);
+    # a weak reference, so the registry never keeps a replaced hidden state alive
+    _stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def root(self) -> Path:
@@ -125,16 +143,54 @@ class ResumeState:
         folder.mkdir(parents=True, exist_ok=True)
         path = self._unit_path(rank, unit)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
+        states, refers = self._share_stored(unit, state["states"])
+        torch.save({**state, "states": states}, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        manifest = {"sha256": file_sha256(tmp), "shards": shards}
+        manifest = {"sha256": file_sha256(tmp), "shards": shards,
+                    "refers": {str(u): self._manifest(rank, u)["sha256"] for u in sorted(refers)}}
         write_atomic(self._unit_path(rank, unit, ".json"), lambda p: p.write_text(json.dumps(manifest)))
         os.replace(tmp, path)
         _fsync_dir(folder)
-        for old in self.finished(rank)[:-KEEP]:
-            self._unit_path(rank, old).unlink(missing_ok=True)
-            self._unit_path(rank, old, ".json").unlink(missing_ok=True)
+        finished = self.finished(rank)
+        needed = {int(u) for kept in finished[-KEEP:] for u in self._manifest(rank, kept).get("refers", {})}
+        for old in finished[:-KEEP]:
+            if old not in needed:
+                self._unit_path(rank, old).unlink(missing_ok=True)
+                self._unit_path(rank, old, ".json").unlink(missing_ok=True)
+
+    def latest(self, rank: int) -> list[int]:
+        """The units a resume may continue after (the last KEEP this rank holds; older files that they refer to
+        are kept for their tensors alone)."""
+        return self.finished(rank)[-KEEP:]
+
+    def _manifest(self, rank: int, unit: int) -> dict[str, Any]:
+        return json.loads(self._unit_path(rank, unit, ".json").read_text(encoding="utf-8"))
+
+    def _share_stored(self, unit: int, states: list[Any]) -> tuple[list[Any], set[int]]:
+        """`states` with every tensor already kept in an earlier file, unchanged, replaced by its `StoredTensor`,
+        and the units referred to; the registry then holds the tensors of these states."""
+        stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
+        refers: set[int] = set()
+
+        def share(value: Any, sample: int, path: tuple[Any, ...]) -> Any:
+            if isinstance(value, torch.Tensor):
+                known = self._stored.get(id(value))
+                if known is not None and known[0]() is value and known[1] == value._version:
+                    refers.add(known[2].unit)
+                    stored[id(value)] = known
+                    return known[2]
+                stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
+                return value
+            if isinstance(value, dict):
+                return {k: share(v, sample, (*path, k)) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(share(v, sample, (*path, i)) for i, v in enumerate(value))
+            return value
+
+        shared = [share(s, i, ()) for i, s in enumerate(states)]
+        self._stored = stored
+        return shared, refers
 
     def verify(self, unit: int, world_size: int) -> None:
         """Every rank's file of `unit` and every shard it counts have the bytes recorded when the unit was kept;
@@ -145,6 +201,8 @@ class ResumeState:
             try:
                 manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
                 checks.append((self._unit_path(rank, unit), manifest["sha256"]))
+                checks += [(self._unit_path(rank, int(u)), digest)
+                           for u, digest in sorted(manifest.get("refers", {}).items())]
                 checks += [(self.work_dir / name, digest) for name, digest in sorted(manifest["shards"].items())]
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise UserError(f"{manifest_path}: the resumable state is damaged (its checksums are unreadable: "
@@ -172,13 +230,41 @@ class ResumeState:
             if path.name.startswith(".tmp") and path.is_file():
                 path.unlink(missing_ok=True)
 
-    def load(self, rank: int, unit: int) -> dict[str, Any]:
+    def _read(self, rank: int, unit: int, mmap: bool = False) -> dict[str, Any]:
         path = self._unit_path(rank, unit)
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         except Exception as exc:  # a truncated or damaged file: any unpickling error
             raise UserError(f"{path}: the resumable state is damaged ({' '.join(str(exc).split())[:120]}); "
                             f"discard it with --fresh") from None
+
+    def load(self, rank: int, unit: int) -> dict[str, Any]:
+        """The state kept after `unit`, its references resolved (the files referred to are read memory-mapped: only
+        the tensors taken are read); the registry then holds its tensors, so the next file refers to them."""
+        kept = self._read(rank, unit)
+        earlier: dict[int, dict[str, Any]] = {}
+        stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
+
+        def resolve(value: Any, sample: int, path: tuple[Any, ...]) -> Any:
+            if isinstance(value, (torch.Tensor, StoredTensor)):
+                where = value if isinstance(value, StoredTensor) else StoredTensor(unit, sample, path)
+                if isinstance(value, StoredTensor):
+                    if value.unit not in earlier:
+                        earlier[value.unit] = self._read(rank, value.unit, mmap=True)
+                    value = earlier[value.unit]["states"][value.sample]
+                    for key in where.path:
+                        value = value[key]
+                stored[id(value)] = (weakref.ref(value), value._version, where)
+                return value
+            if isinstance(value, dict):
+                return {k: resolve(v, sample, (*path, k)) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(resolve(v, sample, (*path, i)) for i, v in enumerate(value))
+            return value
+
+        kept["states"] = [resolve(s, i, ()) for i, s in enumerate(kept["states"])]
+        self._stored = stored
+        return kept
 
     def invalidate(self) -> None:
         """Drop the state at once (one rename), then delete it: from here on the run cannot be resumed."""

@@ -1,0 +1,85 @@
+"""The resumable state's files (pipeline/resume.py): a unit's file holds the tensors that are new since the rank's
+earlier kept files and refers to those for the rest. Reference: the tensors as they were saved, compared exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from msmodelslim.errors import UserError
+from msmodelslim.pipeline.resume import KEEP, ResumeState, StoredTensor
+
+
+def _keep(state: ResumeState, unit: int, states: list) -> None:
+    state.save(0, unit, {"states": states, "savers": [], "processors": [], "report": None}, shards={})
+
+
+def _raw(state: ResumeState, unit: int) -> dict:
+    return torch.load(state.root / "rank0" / f"unit{unit:05d}.pt", weights_only=False)
+
+
+def test_a_unit_refers_to_the_tensors_it_passed_through_and_writes_its_new_ones(tmp_path):
+    """A state with a new hidden state and token ids / blocks passed through: the second file holds the new hidden
+    state and references for the rest; loading it gives back every tensor with its values."""
+    state = ResumeState(tmp_path)
+    ids, block = torch.arange(6).view(1, 6), torch.randn(1, 6, 4)
+    _keep(state, 0, [{"hidden_states": torch.randn(1, 6, 4), "input_ids": ids, "blocks": [block]}])
+    hidden = torch.randn(1, 6, 4)
+    _keep(state, 1, [{"hidden_states": hidden, "input_ids": ids, "blocks": [block, hidden]}])
+    raw = _raw(state, 1)["states"][0]
+    assert raw["input_ids"] == StoredTensor(0, 0, ("input_ids",))
+    assert raw["blocks"][0] == StoredTensor(0, 0, ("blocks", 0))
+    assert isinstance(raw["hidden_states"], torch.Tensor) and isinstance(raw["blocks"][1], torch.Tensor)
+    loaded = ResumeState(tmp_path).load(0, 1)["states"][0]
+    assert torch.equal(loaded["input_ids"], ids) and torch.equal(loaded["blocks"][0], block)
+    assert torch.equal(loaded["hidden_states"], hidden) and torch.equal(loaded["blocks"][1], hidden)
+
+
+def test_a_tensor_changed_in_place_since_it_was_kept_is_written_again(tmp_path):
+    state = ResumeState(tmp_path)
+    ids = torch.arange(6)
+    _keep(state, 0, [{"input_ids": ids}])
+    ids.add_(1)  # a new version of the same object
+    _keep(state, 1, [{"input_ids": ids}])
+    assert isinstance(_raw(state, 1)["states"][0]["input_ids"], torch.Tensor)
+    assert torch.equal(ResumeState(tmp_path).load(0, 1)["states"][0]["input_ids"], torch.arange(1, 7))
+
+
+def test_a_file_a_kept_unit_refers_to_outlives_the_last_units_and_the_others_go(tmp_path):
+    """Token ids kept at unit 0 and passed through to unit 5: unit 0's file stays (the last KEEP units refer to it),
+    units 1 and 2 go, and a resume after unit 5 reads the ids from unit 0's file."""
+    state = ResumeState(tmp_path)
+    ids = torch.arange(6)
+    for unit in range(6):
+        _keep(state, unit, [{"hidden_states": torch.full((6,), float(unit)), "input_ids": ids}])
+    assert state.finished(0) == [0, 3, 4, 5] and state.latest(0) == [3, 4, 5] and KEEP == 3
+    after = ResumeState(tmp_path)
+    after.verify(5, world_size=1)
+    loaded = after.load(0, 5)["states"][0]
+    assert torch.equal(loaded["input_ids"], ids) and torch.equal(loaded["hidden_states"], torch.full((6,), 5.0))
+
+
+def test_a_resumed_run_refers_to_the_files_it_restored_from(tmp_path):
+    """After a load, the next unit's file refers to the restored tensors where they are kept (unit 0), not anew."""
+    ids = torch.arange(6)
+    first = ResumeState(tmp_path)
+    _keep(first, 0, [{"input_ids": ids}])
+    _keep(first, 1, [{"input_ids": ids}])
+    assert _raw(first, 1)["states"][0]["input_ids"] == StoredTensor(0, 0, ("input_ids",))
+    resumed = ResumeState(tmp_path)
+    restored = resumed.load(0, 1)["states"]
+    _keep(resumed, 2, restored)
+    assert _raw(resumed, 2)["states"][0]["input_ids"] == StoredTensor(0, 0, ("input_ids",))
+
+
+def test_a_damaged_file_that_a_kept_unit_refers_to_refuses_the_resume(tmp_path):
+    state = ResumeState(tmp_path)
+    ids = torch.arange(6)
+    _keep(state, 0, [{"input_ids": ids}])
+    _keep(state, 1, [{"input_ids": ids, "hidden_states": torch.zeros(3)}])
+    path = state.root / "rank0" / "unit00000.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="unit00000.pt: its sha256 differs"):
+        ResumeState(tmp_path).verify(1, world_size=1)
