@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BENCH_OUT, machine, print_result  # noqa: E402
-from bench.spill import HIDDEN, k3_state  # noqa: E402
+from bench.spill import k3_state  # noqa: E402
 from msmodelslim.pipeline.resume import ResumeState  # noqa: E402
 from msmodelslim.pipeline.spill import state_bytes  # noqa: E402
 
