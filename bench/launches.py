@@ -59,7 +59,9 @@ def count(model: Path, tokens: int, seq_len: int, batch: int, practice: Path, re
                                dataset=folder, spec={"micro_batch_tokens": batch})
     prefix = BENCH_OUT / "launches_profile"
     run = run_quant(model, BENCH_OUT / "Kimi-K3-layer-shrunk-w4a8", "cpu", shrunk,
-                    extra_env={PROFILE_ENV: str(prefix), **({} if report else {NO_REPORT_ENV: "1"})}, tree=tree)
+                    extra_env={PROFILE_ENV: str(prefix), **({} if report else {NO_REPORT_ENV: "1"}),
+                               "MSMODELSLIM_CPU_PIECE_ROWS": str(1 << 40)},  # no CPU-only pieces: a device's count
+                    tree=tree)
     kinds = {}
     for line in Path(f"{prefix}.rank0").read_text().splitlines():
         if m := _KIND.match(line):

@@ -62,7 +62,9 @@ def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> 
     per_token = (1 + blocks + int(mtp)) * hidden + 8
     return {"bytes_per_token": per_token, "bytes": (per_token + hidden) * math.ceil(tokens / world),
             "attn_res_blocks": blocks, "mtp_inputs": mtp,
-            # on the save path's disk, all ranks: the resumable state keeps the last KEEP units' states, one more is
+            # on the save path's disk, all ranks, a bound that holds when every state spills (a spilled state is a
+            # whole file per unit; unspilled, the resumable state's files hold each tensor once, resume.py): the
+            # resumable state keeps the last KEEP units' states, one more is
             # written, and the spilled states of the units since the last kept one (`spec.resume_every`) and of the
             # unit in progress (pipeline/resume.py, spill.py)
             "disk_bytes": (KEEP + 1 + resume_every) * per_token * tokens}

@@ -6,13 +6,16 @@ results are `q` (torch.int8 holding the integer values) and `scale` (float32, br
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerToken, int_dtype
 
 # Rows per piece of a per-token computation on the CPU (quantization, a quantized product's epilogue): a piece's
-# float32 temporaries fit the cache, which the whole micro-batch's do not
-CPU_PIECE_ROWS = 1024
+# float32 temporaries fit the cache, which the whole micro-batch's do not. bench/launches.py, which counts on the CPU
+# the operators an accelerator would launch, turns the pieces off through the variable.
+CPU_PIECE_ROWS = int(os.environ.get("MSMODELSLIM_CPU_PIECE_ROWS", "1024"))
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -89,9 +92,9 @@ def quantize_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> tuple
 
     On the CPU in pieces of CPU_PIECE_ROWS rows (each row is its own computation, so the values are the same): a
     piece's float32 temporaries stay in cache instead of streaming through memory (4.5x at 8192 x 1536)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if x.device.type != "cpu" or rows.shape[0] <= CPU_PIECE_ROWS:
+    if x.device.type != "cpu" or x.numel() <= CPU_PIECE_ROWS * x.shape[-1]:
         return quantize_symmetric(x, bits, PerToken())
+    rows = x.reshape(-1, x.shape[-1])
     q = torch.empty(rows.shape, dtype=torch.int8)
     scale = torch.empty(rows.shape[0], 1, dtype=torch.float32)
     for start in range(0, rows.shape[0], CPU_PIECE_ROWS):
