@@ -46,8 +46,9 @@ class PassProfiler:
         # per pass kind: leaf operators that compute (no operator below them, not a view): on an accelerator about
         # one kernel launch each, so a CPU run counts the launches a pass would make there
         self.leaves: dict[str, int] = defaultdict(int)
-        self.where: dict[str, dict[str, float]] | None = defaultdict(lambda: defaultdict(float)) \
-            if os.environ.get(WHERE_ENV) else None  # per pass kind: "caller < caller's caller operator" -> host us
+        # per pass kind: "caller < caller's caller operator" -> [host us, calls]
+        self.where: dict[str, dict[str, list[float]]] | None = defaultdict(lambda: defaultdict(lambda: [0.0, 0])) \
+            if os.environ.get(WHERE_ENV) else None
 
     @contextlib.contextmanager
     def profiled(self, kind: str) -> Iterator[None]:
@@ -86,7 +87,9 @@ class PassProfiler:
                 if ".py(" in frame.name and any(part in frame.name for part in _OWN_CODE):
                     callers.append(frame.name.rsplit("/", 1)[-1])
                 frame = frame.cpu_parent
-            self.where[kind][f"{' < '.join(callers) or '?'} {event.name}"] += event.self_cpu_time_total
+            row = self.where[kind][f"{' < '.join(callers) or '?'} {event.name}"]
+            row[0] += event.self_cpu_time_total
+            row[1] += 1
 
     def write(self, path: Path, top: int = 25) -> None:
         lines = []
@@ -107,9 +110,12 @@ class PassProfiler:
         if self.where is not None:
             where = []
             for kind, places in self.where.items():
-                where.append(f"== {kind}: host seconds by operator and its callers")
-                where += [f"{us / 1e6:9.3f} {place}" for place, us in
-                          sorted(places.items(), key=lambda kv: kv[1], reverse=True)[:2 * top]]
+                where.append(f"== {kind}: host seconds and calls by operator and its callers")
+                where += [f"{us / 1e6:9.3f} {int(calls):>8} {place}" for place, (us, calls) in
+                          sorted(places.items(), key=lambda kv: kv[1][0], reverse=True)[:2 * top]]
+                where.append(f"-- {kind}: by calls")
+                where += [f"{us / 1e6:9.3f} {int(calls):>8} {place}" for place, (us, calls) in
+                          sorted(places.items(), key=lambda kv: kv[1][1], reverse=True)[:2 * top]]
             Path(f"{path}.where").write_text("\n".join(where) + "\n")
 
 
