@@ -173,22 +173,16 @@ class ResumeState:
         stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
         refers: set[int] = set()
 
-        def share(value: Any, sample: int, path: tuple[Any, ...]) -> Any:
-            if isinstance(value, torch.Tensor):
-                known = self._stored.get(id(value))
-                if known is not None and known[0]() is value and known[1] == value._version:
-                    refers.add(known[2].unit)
-                    stored[id(value)] = known
-                    return known[2]
-                stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
-                return value
-            if isinstance(value, dict):
-                return {k: share(v, sample, (*path, k)) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(share(v, sample, (*path, i)) for i, v in enumerate(value))
+        def share(value: torch.Tensor, sample: int, path: tuple[Any, ...]) -> Any:
+            known = self._stored.get(id(value))
+            if known is not None and known[0]() is value and known[1] == value._version:
+                refers.add(known[2].unit)
+                stored[id(value)] = known
+                return known[2]
+            stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
             return value
 
-        shared = [share(s, i, ()) for i, s in enumerate(states)]
+        shared = [_map_leaves(s, lambda v, path, i=i: share(v, i, path)) for i, s in enumerate(states)]
         self._stored = stored
         return shared, refers
 
@@ -245,24 +239,19 @@ class ResumeState:
         earlier: dict[int, dict[str, Any]] = {}
         stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
 
-        def resolve(value: Any, sample: int, path: tuple[Any, ...]) -> Any:
-            if isinstance(value, (torch.Tensor, StoredTensor)):
-                where = value if isinstance(value, StoredTensor) else StoredTensor(unit, sample, path)
-                if isinstance(value, StoredTensor):
-                    if value.unit not in earlier:
-                        earlier[value.unit] = self._read(rank, value.unit, mmap=True)
-                    value = earlier[value.unit]["states"][value.sample]
-                    for key in where.path:
-                        value = value[key]
-                stored[id(value)] = (weakref.ref(value), value._version, where)
-                return value
-            if isinstance(value, dict):
-                return {k: resolve(v, sample, (*path, k)) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(resolve(v, sample, (*path, i)) for i, v in enumerate(value))
+        def resolve(value: torch.Tensor | StoredTensor, sample: int, path: tuple[Any, ...]) -> torch.Tensor:
+            where = value if isinstance(value, StoredTensor) else StoredTensor(unit, sample, path)
+            if isinstance(value, StoredTensor):
+                if value.unit not in earlier:
+                    earlier[value.unit] = self._read(rank, value.unit, mmap=True)
+                value = earlier[value.unit]["states"][value.sample]
+                for key in where.path:
+                    value = value[key]
+            stored[id(value)] = (weakref.ref(value), value._version, where)
             return value
 
-        kept["states"] = [resolve(s, i, ()) for i, s in enumerate(kept["states"])]
+        kept["states"] = [_map_leaves(s, lambda v, path, i=i: resolve(v, i, path))
+                          for i, s in enumerate(kept["states"])]
         self._stored = stored
         return kept
 
@@ -274,6 +263,18 @@ class ResumeState:
             os.replace(self.root, dropped)
             _fsync_dir(self.work_dir)
             shutil.rmtree(dropped, ignore_errors=True)
+
+
+def _map_leaves(value: Any, fn: Any, path: tuple[Any, ...] = ()) -> Any:
+    """`fn(leaf, path)` for every tensor or `StoredTensor` of a sample's state (in dicts, lists and tuples; `path`:
+    the keys and indices that lead to it)."""
+    if isinstance(value, (torch.Tensor, StoredTensor)):
+        return fn(value, path)
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, fn, (*path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, fn, (*path, i)) for i, v in enumerate(value))
+    return value
 
 
 def check_fingerprint(recorded: dict[str, Any] | None, expected: dict[str, Any], where: Path) -> None:
