@@ -40,7 +40,7 @@ from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non
 from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
-from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, state_bytes
+from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, map_state, state_bytes
 from msmodelslim.processor.base import OutputExtras, Processor
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class LayerWiseRunner:
             if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
         if bad:
             culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
-                unit, module, _to_device(loaded(states[bad[0]]), device)))
+                unit, module, HostCopies().to_device(loaded(states[bad[0]]), device)))
             raise non_finite_error(unit.name, bad[0], culprit,
                                    next((p.dtype for p in module.parameters()), torch.float32))
         return outputs
@@ -314,22 +314,6 @@ class LayerWiseRunner:
         return self.stats
 
 
-def _map_tensors(value: Any, fn: Any) -> Any:
-    """`fn` applied to every tensor of a sample's state (tensors in dicts, lists and tuples)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
-
-
-def _to_device(state: Any, device: torch.device) -> Any:
-    """A sample's state on the run's device (a no-op on the host); from pinned memory the copy is asynchronous."""
-    return _map_tensors(state, lambda t: t.to(device, non_blocking=True))
-
-
 class HostCopies:
     """One sample's state moved to the device and its unit's outputs moved back. An output tensor that is one of the
     inputs' device copies, unchanged, goes back as the host tensor it came from: no copy back and no second host
@@ -340,21 +324,22 @@ class HostCopies:
         self._sources: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(copy) -> (copy, host, version)
 
     def to_device(self, state: Any, device: torch.device) -> Any:
-        """`_to_device`, remembering each copy's host tensor."""
-        def move(t: torch.Tensor) -> torch.Tensor:
+        """`state` on the run's device (a no-op on the host; from pinned memory the copy is asynchronous),
+        remembering each copy's host tensor."""
+        def move(t: torch.Tensor, _path: tuple) -> torch.Tensor:
             copy = t.to(device, non_blocking=True)
             self._sources[id(copy)] = (copy, t, copy._version)  # the copy is held: its id stays its own
             return copy
 
-        return _map_tensors(state, move)
+        return map_state(state, move)
 
     def to_host(self, state: Any) -> Any:
         """A unit's outputs on the host (from CUDA into pinned memory, asynchronously: the pass synchronizes once),
         an input's tensor the unit returned as it was (not written in place) as its host tensor."""
-        def back(t: torch.Tensor) -> torch.Tensor:
+        def back(t: torch.Tensor, _path: tuple) -> torch.Tensor:
             source = self._sources.get(id(t))
             if source is not None and source[0] is t and t._version == source[2]:
                 return source[1]
             return to_host(t)
 
-        return _map_tensors(state, back)
+        return map_state(state, back)

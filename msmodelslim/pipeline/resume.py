@@ -45,6 +45,7 @@ import torch
 
 from msmodelslim.core.files import file_sha256
 from msmodelslim.errors import UserError
+from msmodelslim.pipeline.spill import map_state
 
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
@@ -182,7 +183,7 @@ class ResumeState:
             stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
             return value
 
-        shared = [_map_leaves(s, lambda v, path, i=i: share(v, i, path)) for i, s in enumerate(states)]
+        shared = [map_state(s, lambda v, path, i=i: share(v, i, path)) for i, s in enumerate(states)]
         self._stored = stored
         return shared, refers
 
@@ -250,7 +251,7 @@ class ResumeState:
             stored[id(value)] = (weakref.ref(value), value._version, where)
             return value
 
-        kept["states"] = [_map_leaves(s, lambda v, path, i=i: resolve(v, i, path))
+        kept["states"] = [map_state(s, lambda v, path, i=i: resolve(v, i, path), (torch.Tensor, StoredTensor))
                           for i, s in enumerate(kept["states"])]
         self._stored = stored
         return kept
@@ -263,18 +264,6 @@ class ResumeState:
             os.replace(self.root, dropped)
             _fsync_dir(self.work_dir)
             shutil.rmtree(dropped, ignore_errors=True)
-
-
-def _map_leaves(value: Any, fn: Any, path: tuple[Any, ...] = ()) -> Any:
-    """`fn(leaf, path)` for every tensor or `StoredTensor` of a sample's state (in dicts, lists and tuples; `path`:
-    the keys and indices that lead to it)."""
-    if isinstance(value, (torch.Tensor, StoredTensor)):
-        return fn(value, path)
-    if isinstance(value, dict):
-        return {k: _map_leaves(v, fn, (*path, k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_leaves(v, fn, (*path, i)) for i, v in enumerate(value))
-    return value
 
 
 def check_fingerprint(recorded: dict[str, Any] | None, expected: dict[str, Any], where: Path) -> None:

@@ -45,6 +45,18 @@ class Spilled:
                             f"({' '.join(str(exc).split())[:120]}); discard the run with --fresh") from None
 
 
+def map_state(value: Any, fn: Any, leaves: tuple[type, ...] = (torch.Tensor,), path: tuple[Any, ...] = ()) -> Any:
+    """A sample's state with `fn(leaf, path)` in place of every leaf (a tensor, or an instance of `leaves`) in its
+    dicts, lists and tuples; `path`: the keys and indices that lead to the leaf."""
+    if isinstance(value, leaves):
+        return fn(value, path)
+    if isinstance(value, dict):
+        return {k: map_state(v, fn, leaves, (*path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_state(v, fn, leaves, (*path, i)) for i, v in enumerate(value))
+    return value
+
+
 def state_bytes(state: Any) -> int:
     """Bytes of every tensor of a sample's state (tensors in dicts, lists and tuples)."""
     if isinstance(state, torch.Tensor):
