@@ -27,6 +27,7 @@ from bench.common import BENCH_OUT, ROOT, SHARED, machine, print_result, run_qua
 from bench.k3_layer import long_record_set  # noqa: E402
 from msmodelslim.core.calib import load_calib_records  # noqa: E402
 from msmodelslim.core.config import DEFAULT_MICRO_BATCH_TOKENS  # noqa: E402
+from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os  # noqa: E402
 from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter  # noqa: E402
 from msmodelslim.pipeline.assembly import micro_batches  # noqa: E402
 from msmodelslim.pipeline.spill import BUDGET_ENV  # noqa: E402
@@ -38,6 +39,7 @@ PRACTICE = ROOT / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8.yaml"
 def plain_forward_s(folder: Path, records: int, max_seq_len: int) -> float:
     """Seconds of one forward of every calibration micro-batch through every unit, unit after unit (loading and
     freeing the units not counted)."""
+    return_freed_tensors_to_os()  # the runner's allocator settings: both sides run under the same
     adapter = KimiK3ModelAdapter(MINI)
     try:
         samples = micro_batches(adapter.prepare_samples(load_calib_records(str(folder), "", records),
@@ -46,7 +48,7 @@ def plain_forward_s(folder: Path, records: int, max_seq_len: int) -> float:
         for unit in adapter.units():
             module = adapter.load_unit(unit, device)
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), heap_for_temporaries():
                 samples = [adapter.forward_unit(unit, module, s) for s in samples]
             seconds += time.perf_counter() - t0
             adapter.free_unit(unit, module)

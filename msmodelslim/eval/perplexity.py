@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
 from msmodelslim.formats.checkpoint import different_source, source_identity
@@ -130,7 +131,7 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 
 def _run(adapter: ModelAdapter, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    with torch.no_grad():
+    with torch.no_grad(), heap_for_temporaries():
         return [adapter.forward_unit(unit, module, s) for s in states]
 
 
@@ -147,6 +148,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     count = {v: 0 for v in variants}
     simulated: set[str] = set()
     attentions: set[str] = set()
+    return_freed_tensors_to_os()  # one unit in memory at a time, as the runner
     for unit in adapter.units():
         if unit.kind == "vision":
             continue

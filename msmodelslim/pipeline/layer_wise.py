@@ -30,7 +30,7 @@ from tqdm import tqdm
 from msmodelslim.core import ascend_check
 from msmodelslim.core.device import bind_device, release_cached_memory, synchronize
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.memory import return_freed_tensors_to_os
+from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.core.placement import to_host
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
@@ -118,7 +118,7 @@ class LayerWiseRunner:
         self.stats.passes[unit.name] += 1
         outputs, finite, forwarded = [], [], []
         kept = 0
-        with torch.no_grad():
+        with torch.no_grad(), heap_for_temporaries():
             for step in range(steps):
                 if only is not None and step not in only:
                     continue

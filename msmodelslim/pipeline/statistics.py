@@ -28,6 +28,9 @@ from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
+# On the CPU a Hessian's products fill only its upper triangle, a strip of this many rows per product: ~0.7x the
+# float32 work of the whole square (bench/hessian_arith.py); accelerators keep one product per chunk (one launch)
+HESSIAN_CPU_STRIP = 128
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
 TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
 TOKEN_RANGE_CHUNK_ELEMENTS = 1 << 26  # candidate x row x channel products held at once (256 MB of float32)
@@ -156,11 +159,20 @@ class Hessian(Statistic):
             self.pending[name], self.pending_rows[name] = [x[end:].clone()], x.shape[0] - end
         with tensor_core_fp32_matmuls(x.device):  # 16-bit inputs are exact in TF32 / HF32
             for start in range(0, end, HESSIAN_CHUNK_TOKENS):
-                chunk = x[start:min(start + HESSIAN_CHUNK_TOKENS, end)].float()
-                if name in self.sums:
-                    self.sums[name].addmm_(chunk.t(), chunk)
-                else:
-                    self.sums[name] = chunk.t() @ chunk
+                self._add(name, x[start:min(start + HESSIAN_CHUNK_TOKENS, end)].float())
+
+    def _add(self, name: str, chunk: torch.Tensor) -> None:
+        """sums[name] += chunk^T chunk: the whole square on accelerators; on the CPU the upper triangle's strips
+        (`_mirrored` completes it once the sums are final)."""
+        h = self.sums.get(name)
+        if chunk.device.type != "cpu":
+            self.sums[name] = chunk.t() @ chunk if h is None else h.addmm_(chunk.t(), chunk)
+            return
+        if h is None:
+            h = self.sums[name] = torch.zeros(chunk.shape[1], chunk.shape[1], dtype=torch.float32)
+        for first in range(0, chunk.shape[1], HESSIAN_CPU_STRIP):
+            last = first + HESSIAN_CPU_STRIP
+            h[first:last, first:].addmm_(chunk[:, first:last].t(), chunk[:, first:])
 
     def _agree_on_leaders(self, dist: DistContext, replicated: Callable[[str], bool]) -> None:
         """A rank that forwarded no token cannot see which replicated readers share an input: it takes the sharing
@@ -195,12 +207,20 @@ class Hessian(Statistic):
         for n in leaders:
             h = reduced[f"h:{n}"] if n in shared else self.sums.pop(n)
             self.sums.pop(n, None)
-            h = (h + h.t()).mul_(0.5)  # X^T X is symmetric; a GEMM's two triangles may round differently
+            h = _mirrored(h)
             stats.hessian[n] = h
             stats.tokens[n] = int(reduced[f"n:{n}"]) if n in shared else self.tokens[n]
         for name in self.names:
             stats.hessian[name] = stats.hessian[self.leader[name]]
             stats.tokens[name] = stats.tokens[self.leader[name]]
+
+
+def _mirrored(h: torch.Tensor) -> torch.Tensor:
+    """The symmetric X^T X from its sums: on the CPU the upper triangle copied below it; elsewhere the mean of the
+    two triangles (one GEMM's two triangles may round differently)."""
+    if h.device.type == "cpu":
+        return h.triu_().add_(h.triu(1).t())
+    return (h + h.t()).mul_(0.5)
 
 
 @statistic

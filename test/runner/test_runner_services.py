@@ -24,6 +24,7 @@ from torch import nn
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.pipeline import statistics
 from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
 from msmodelslim.pipeline.statistics import HESSIAN_CHUNK_TOKENS
 from msmodelslim.processor.base import Processor, UnitContext
@@ -88,8 +89,6 @@ def test_token_ranges_do_not_depend_on_the_order_or_grouping_of_tokens():
 def test_token_ranges_of_all_candidates_at_once_equal_one_candidate_at_a_time(monkeypatch):
     """The record multiplies every candidate at once, in row chunks (a routed expert's call has a few rows): the
     int64 sums must be bit-identical to summing each candidate on its own, with chunks of 1 row and of many."""
-    from msmodelslim.pipeline import statistics
-
     x = tokens(2)
     module = two_readers()
     inv = 1.0 / torch.stack([torch.ones(12), torch.linspace(0.5, 3, 12), torch.linspace(4, 0.2, 12)]).double()
@@ -118,6 +117,23 @@ def test_a_hessian_does_not_depend_on_how_its_tokens_were_split_into_calls():
     assert all(torch.equal(hessians[0], h) for h in hessians[1:])
     ref = x.double().t() @ x.double()
     assert float((hessians[0] - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_a_wide_hessian_sums_its_upper_strips_and_mirrors_them():
+    """On the CPU the products fill the upper triangle strip by strip (HESSIAN_CPU_STRIP rows, the last one
+    shorter): the result is still X^T X (float64 reference, relative 1e-6), exactly symmetric, and the same however
+    the rows arrived."""
+    width = 2 * statistics.HESSIAN_CPU_STRIP + 44
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(HESSIAN_CHUNK_TOKENS + 300, width, generator=g) * torch.linspace(0.1, 20, width)) \
+        .to(torch.bfloat16).float()
+    module = nn.ModuleDict({"a": nn.Linear(width, 4), "b": nn.Linear(width, 4)})
+    hessians = [observe(context(module, calls), Observe(hessian=("a",))).hessian["a"]
+                for calls in ([x], [x[:7], x[7:1100], x[1100:]])]
+    ref = x.double().t() @ x.double()
+    assert float((hessians[0] - ref).norm() / ref.norm()) < 1e-6
+    assert torch.equal(hessians[0], hessians[0].t())
+    assert torch.equal(hessians[0], hessians[1])
 
 
 def test_readers_of_one_input_share_one_hessian():
