@@ -12,10 +12,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 UNIT_MMAP_THRESHOLD = 1 << 20  # between passes: every block of 1 MiB or more is a mapping of its own
 # during a calibration pass: glibc's largest threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 PASS_MMAP_THRESHOLD = 32 << 20
+UNIT_TRIM_THRESHOLD = 128 << 10  # glibc's default: the free top of the heap above it goes back at once
+PASS_TRIM_THRESHOLD = (1 << 31) - 1  # (mallopt takes an int) during a pass the heap keeps its top for the next forward
 
 
 @functools.cache
@@ -55,10 +57,12 @@ def heap_for_temporaries() -> Iterator[None]:
     and the heap's free pages go back to the OS (`malloc_trim`); what the pass keeps (the next unit's states,
     Hessians) stays where it is. No-op off glibc."""
     _malloc_call("mallopt", _M_MMAP_THRESHOLD, PASS_MMAP_THRESHOLD)
+    _malloc_call("mallopt", _M_TRIM_THRESHOLD, PASS_TRIM_THRESHOLD)
     try:
         yield
     finally:
         _malloc_call("mallopt", _M_MMAP_THRESHOLD, UNIT_MMAP_THRESHOLD)
+        _malloc_call("mallopt", _M_TRIM_THRESHOLD, UNIT_TRIM_THRESHOLD)
         _malloc_call("malloc_trim", 0)
 
 

@@ -400,6 +400,9 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     their products per group; any other module is called as usual (its hooks see its rows, and every reader of a
     group the same tensor, so readers of one input share a Hessian)."""
     quantized: dict[IntDtype, tuple[torch.Tensor, torch.Tensor]] = {}
+    # the CPU casts each group's product while it is in cache; accelerators cast the concatenation (one launch, not
+    # one per group): the same values either way
+    product_dtype = x.dtype if x.device.type == "cpu" else torch.float32
     pieces: list[list[torch.Tensor]] = [[] for _ in readers[0]] if readers else []
     observed: list[tuple[QuantLinear, int, int, int]] = []  # (module, reader position, first row, end row)
     for group, (start, end) in zip(readers, bounds, strict=True):
@@ -412,7 +415,7 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
             if act not in quantized:
                 quantized[act] = quantize_per_token(x, act)
             qx, sx = quantized[act]
-            pieces[j].append(module.integer_product(qx[start:end], sx[start:end]))
+            pieces[j].append(module.integer_product(qx[start:end], sx[start:end], product_dtype))
             if module.observer is not None and module.observer.active():
                 observed.append((module, j, start, end))
     outputs = [torch.cat(p).to(x.dtype) for p in pieces]
