@@ -5,7 +5,7 @@ the smoothing search, the quant report) on generated text sets of T1 and T2 toke
 random words, bench/k3_layer.py's generator). For each size: the runner's wall time of a `msmodelslim quant` run
 (its own statistics), and the seconds of a plain forward of the same micro-batches through every unit, layer by
 layer, with nothing observed (what `msmodelslim eval` does twice per token: original and quantized). The marginal
-cost per token is the slope between the sizes; the target is runner <= 3 x forward.
+cost per token is the least-squares slope over the sizes; the target is runner <= 3 x forward.
 
     python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096 --search-tokens 4096
                                 --host-state-gib 0]
@@ -57,6 +57,14 @@ def plain_forward_s(folder: Path, records: int, max_seq_len: int) -> float:
         adapter.close()
 
 
+def slope_ms(tokens: list[int], seconds: list[float]) -> float:
+    """Milliseconds per token: the least-squares slope of seconds over tokens (two sizes: the two-point slope; more
+    sizes damp this machine's noise in any one run)."""
+    mean_t, mean_s = sum(tokens) / len(tokens), sum(seconds) / len(seconds)
+    return 1000 * sum((t - mean_t) * (s - mean_s) for t, s in zip(tokens, seconds)) \
+        / sum((t - mean_t) ** 2 for t in tokens)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="4096,16384")
@@ -95,11 +103,11 @@ def main() -> None:
                                   and k not in ("runner_wall", "peak_rss_gb")},
                      "passes": run.get("calibration_passes")})
         print(rows[-1], flush=True)
-    first, last = rows[0], rows[-1]
-    span = last["tokens"] - first["tokens"]
-    runner_ms = 1000 * (last["runner_s"] - first["runner_s"]) / span
-    forward_ms = 1000 * (last["forward_s"] - first["forward_s"]) / span
-    stage_ms = {k: round(1000 * (last["stages_s"].get(k, 0.0) - v) / span, 4) for k, v in first["stages_s"].items()}
+    tokens = [r["tokens"] for r in rows]
+    runner_ms = slope_ms(tokens, [r["runner_s"] for r in rows])
+    forward_ms = slope_ms(tokens, [r["forward_s"] for r in rows])
+    stage_ms = {k: round(slope_ms(tokens, [r["stages_s"].get(k, 0.0) for r in rows]), 4)
+                for k in rows[0]["stages_s"]}
     print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
                   "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
                   "report_tokens": args.report_tokens, "search_tokens": args.search_tokens,
