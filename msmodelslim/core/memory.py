@@ -52,10 +52,10 @@ def return_freed_tensors_to_os() -> None:
 @contextlib.contextmanager
 def heap_for_temporaries() -> Iterator[None]:
     """Around a calibration pass: blocks below 32 MiB come from the heap, so each forward's temporaries reuse the
-    memory the previous one freed instead of faulting in a fresh mapping's pages on every use (with 1 MiB mappings
-    the CPU's quantized forward took 2.4x as long, bench/calib_cost.py). Afterwards the threshold is back at 1 MiB
-    and the heap's free pages go back to the OS (`malloc_trim`); what the pass keeps (the next unit's states,
-    Hessians) stays where it is. No-op off glibc."""
+    memory the previous one freed, the heap's free top included, instead of faulting in a fresh mapping's pages on
+    every use (with 1 MiB mappings the experts' quantized products took 1.7-5x as long, bench/pass_heap.py).
+    Afterwards the threshold is back at 1 MiB and the heap's free pages go back to the OS (`malloc_trim`); what the
+    pass keeps (the next unit's states, Hessians) stays where it is. No-op off glibc."""
     _malloc_call("mallopt", _M_MMAP_THRESHOLD, PASS_MMAP_THRESHOLD)
     _malloc_call("mallopt", _M_TRIM_THRESHOLD, PASS_TRIM_THRESHOLD)
     try:
