@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 GPTQ_BATCH_BYTES = 2 << 30  # float32 Hessians per batched GPTQ of experts (its temporaries are a few times this)
+# on the CPU, where a batch saves no launches and its temporaries take the host memory every rank shares (2 GiB
+# batches held 12 GB at the bench preset's first MoE layer, bench/pipeline.py)
+GPTQ_BATCH_BYTES_CPU = 256 << 20
 
 
 def _dtype(name: str) -> Any:
@@ -328,13 +331,14 @@ class LinearQuantProcessor(Processor):
     def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
               tokens: dict[str, int]) -> list[Job]:
         """One job per linear, except for GPTQ: linears of one shape (a rank's experts; q/k/v) in batches of about
-        GPTQ_BATCH_BYTES of Hessians, one column loop per batch. Replicated jobs are spread over the ranks."""
+        GPTQ_BATCH_BYTES of Hessians (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs are spread over the ranks."""
         gptq = self.config.qconfig.weight.method == "gptq"
         groups: dict[tuple, list[list[str]]] = {}
         for name, linear in linears.items():
             shape = tuple(linear.weight.shape)
             local = ctx.adapter.is_rank_local(name)
-            per_batch = max(1, GPTQ_BATCH_BYTES // (shape[1] * shape[1] * 4)) if gptq else 1
+            budget = GPTQ_BATCH_BYTES_CPU if linear.weight.device.type == "cpu" else GPTQ_BATCH_BYTES
+            per_batch = max(1, budget // (shape[1] * shape[1] * 4)) if gptq else 1
             batches = groups.setdefault((shape, local), [[]])
             if len(batches[-1]) == per_batch:
                 batches.append([])

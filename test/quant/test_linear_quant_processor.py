@@ -255,6 +255,40 @@ def test_hessians_wait_on_the_host_during_the_jobs_and_give_the_same_weights(dev
         assert torch.equal(parked[name][0], q) and torch.equal(parked[name][1], scale), name
 
 
+def test_on_the_cpu_gptq_batches_hold_gptq_batch_bytes_cpu_of_hessians_and_give_the_same_weights(monkeypatch):
+    """On the CPU, experts of one shape go through GPTQ in batches of about GPTQ_BATCH_BYTES_CPU of Hessians (a
+    batch's temporaries take host memory and save no launches there). Reference: one batch for every expert;
+    tolerance: none (a batch gives each matrix the integers it gets alone)."""
+    from msmodelslim.processor import linear_quant
+    original = LinearQuantProcessor._quantize
+
+    def run(budget: int) -> tuple[dict, list[int]]:
+        monkeypatch.setattr(linear_quant, "GPTQ_BATCH_BYTES_CPU", budget)
+        torch.manual_seed(0)
+        layer = Layer()
+        inputs = {n: torch.randn(64, m.in_features) for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+        ctx = UnitContext(unit=unit, module=layer, adapter=ToyAdapter(), dist=SINGLE,
+                          run_samples=lambda: [layer.get_submodule(n)(x) for n, x in inputs.items()])
+        batches: list[int] = []
+
+        def quantize(self, weights, *args, **kwargs):
+            batches.append(len(weights))
+            return original(self, weights, *args, **kwargs)
+
+        monkeypatch.setattr(LinearQuantProcessor, "_quantize", quantize)
+        run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
+                                                                 exclude=["*shared_experts*"])), ctx)
+        return {n: (m.qweight, m.weight_scale) for n, m in layer.named_modules() if isinstance(m, QuantLinear)}, \
+            batches
+
+    one_each, small = run(budget=1)
+    together, large = run(budget=1 << 30)
+    assert small and all(n == 1 for n in small) and max(large) > 1
+    for name, (q, scale) in together.items():
+        assert torch.equal(one_each[name][0], q) and torch.equal(one_each[name][1], scale), name
+
+
 class LatentLayer(Layer):
     """Layer with a linear that reads the routed experts' outputs (Kimi-K3's latent up-projection)."""
 
