@@ -68,8 +68,8 @@ logger = logging.getLogger(__name__)
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
 GPTQ_BATCH_BYTES = 2 << 30  # float32 Hessians per batched GPTQ of experts (its temporaries are a few times this)
-# on the CPU, where a batch saves no launches and its temporaries take the host memory every rank shares (2 GiB
-# batches held 12 GB at the bench preset's first MoE layer, bench/pipeline.py)
+# on the CPU, where a batch saves no launches and its temporaries take the host memory every rank shares (with 2 GiB
+# batches the bench preset's first MoE layer peaked at 16.3 GB of host memory, with these 6.4 GB: BENCHMARKS.md)
 GPTQ_BATCH_BYTES_CPU = 256 << 20
 
 
@@ -331,7 +331,8 @@ class LinearQuantProcessor(Processor):
     def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
               tokens: dict[str, int]) -> list[Job]:
         """One job per linear, except for GPTQ: linears of one shape (a rank's experts; q/k/v) in batches of about
-        GPTQ_BATCH_BYTES of Hessians (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs are spread over the ranks."""
+        GPTQ_BATCH_BYTES of Hessians (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs
+        are spread over the ranks."""
         gptq = self.config.qconfig.weight.method == "gptq"
         groups: dict[tuple, list[list[str]]] = {}
         for name, linear in linears.items():
