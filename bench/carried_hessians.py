@@ -78,7 +78,7 @@ def main() -> None:
         samples, processors = prepare_run(adapter, records, spec)
         probe = Probe()
         at = next(i for i, proc in enumerate(processors) if proc.name == "iter_smooth") + 1
-        LayerWiseRunner(adapter, [*processors[:at], probe, *processors[at:]], [], prefetch=False).run(samples)
+        LayerWiseRunner(adapter, [*processors[:at], probe, *processors[at:]], [], background=False).run(samples)
     finally:
         adapter.close()
     by_kind: dict[str, list[float]] = {}

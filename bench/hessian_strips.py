@@ -1,9 +1,11 @@
-"""The CPU Hessian's products: the upper triangle in strips of HESSIAN_CPU_STRIP rows (what the runner does on the
-CPU) against one product of the whole square per chunk (what it did before, and still does on accelerators).
+"""The CPU Hessian's products: float32 products of the whole square per chunk (before session 22; accelerators keep
+one product per chunk), of the upper triangle in strips of HESSIAN_CPU_STRIP rows (session 22), and the strips as
+bf16 dot products accumulating in float32 (what the runner does on the CPU with the bf16 rows its hooks get).
 
-The runner's own `statistics.Hessian` records T bf16 tokens of each width in 8,192-row calls and sums them; the
-whole square is the same code with the strip as wide as the input. Each way is checked against float64 X^T X and
-timed (median of --repeat, both ways alternating in one sitting).
+The runner's own `statistics.Hessian` records T tokens of each width in 8,192-row calls and sums them: the same
+bf16 values, given as float32 rows (float32 products) or as bf16 rows (`cpu_bf16_products`); the whole square is
+the same code with the strip as wide as the input. Each way is checked against float64 X^T X and timed (median of
+--repeat, the ways alternating in one sitting).
 
     python bench/hessian_strips.py [--widths 192,512,1536,7168 --tokens 16384 --repeat 5]
 Prints one JSON line last.
@@ -48,17 +50,19 @@ def main() -> None:
         g = torch.Generator().manual_seed(width)
         x = (torch.randn(args.tokens, width, generator=g) * torch.linspace(0.1, 20, width)).to(torch.bfloat16)
         ref = x.double().t() @ x.double()
-        times = {"square": [], "strips": []}
+        ways = {"square": (x.float(), width), "strips": (x.float(), strip), "strips_bf16": (x, strip)}
+        times = {way: [] for way in ways}
         errors = {}
         for _ in range(args.repeat):
-            for way, s in (("square", width), ("strips", strip)):
-                h, seconds = hessian(x, s)
+            for way, (rows_in, s) in ways.items():
+                h, seconds = hessian(rows_in, s)
                 times[way].append(seconds)
                 errors[way] = float((h.double() - ref).norm() / ref.norm())
         median = {way: stats.median(t) for way, t in times.items()}
-        rows.append({"width": width, "square_us_per_token": round(1e6 * median["square"] / args.tokens, 3),
-                     "strips_us_per_token": round(1e6 * median["strips"] / args.tokens, 3),
+        rows.append({"width": width, **{f"{way}_us_per_token": round(1e6 * t / args.tokens, 3)
+                                        for way, t in median.items()},
                      "strips_over_square": round(median["strips"] / median["square"], 3),
+                     "strips_bf16_over_square": round(median["strips_bf16"] / median["square"], 3),
                      "relative_error_vs_float64": {k: float(f"{v:.3g}") for k, v in errors.items()}})
         print(rows[-1], flush=True)
     statistics.HESSIAN_CPU_STRIP = strip

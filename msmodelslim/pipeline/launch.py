@@ -90,7 +90,7 @@ class QuantRequest:
     adapter_cls: type[ModelAdapter]
     practice: Any  # core.config.PracticeConfig
     trust_remote_code: bool
-    prefetch: bool = True
+    background: bool = True  # load the next unit and write the resumable state behind the compute
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
     source: dict[str, str] | None = None  # formats.checkpoint.source_identity of model_path, when the app has it
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
@@ -194,9 +194,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]
-        # On a CPU device the background load would compete with the compute for the same cores: on the 2-core
-        # host it made a run 3x slower (the loading thread stalls torch's intra-op threads) to hide 0.2 s of load.
-        prefetch = request.prefetch and device.type != "cpu"
+        # On a CPU device a background thread competes with the compute for the same cores, which stalls torch's
+        # intra-op threads: on the 2-core host the background load made a run 3x slower to hide 0.2 s of load, and
+        # the background resumable-state write cost ~3 s of a 32 s run where writing in line costs ~1 s.
+        background = request.background and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
                         positions=report_positions(samples, spec.report_tokens))
@@ -204,7 +205,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",
                            host_budget(torchrun.local_world_size if torchrun else world))
-        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, prefetch=prefetch, steps=steps,
+        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, background=background, steps=steps,
                                  resume=resume, resume_after=request.resume_after, report=report, spill=spill,
                                  profiler=pass_profiler(device), place_tokens=place_tokens(samples),
                                  resume_every=spec.resume_every)

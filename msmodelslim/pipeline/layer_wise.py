@@ -1,10 +1,10 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
-Per unit: load (with `prefetch`, the next unit loads in the background) -> processors in YAML order (the runner answers
+Per unit: load (with `background`, the next unit loads in the background) -> processors in YAML order (the runner answers
 what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`) -> forward the processed unit over the samples to make
 the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
 follow the head), with the quant report's observers on its quantized linears (pipeline/report.py) -> save -> free
--> keep the resumable state (written in the background while the next unit computes).
+-> keep the resumable state (with `background`, written while the next unit computes).
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
 attention-residual blocks, MTP inputs) lives on the host, and an accelerator holds one micro-batch of it at a time:
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunStats:
-    """Seconds per stage summed over units (with prefetch, load counts only the time spent waiting for a unit);
+    """Seconds per stage summed over units (with background loading, load counts only the time spent waiting for a unit);
     `process.<type>` splits the process stage by processor (a type listed twice is summed), and within it
     `observe.<type>` (calibration passes with their reductions), `reduce.<type>` and `jobs.<type>` (its heavy
     work, collectives included) say where that time went."""
@@ -62,7 +62,7 @@ class RunStats:
 
 class LayerWiseRunner:
     def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
-                 dist: DistContext = SINGLE, prefetch: bool = True, steps: int | None = None,
+                 dist: DistContext = SINGLE, background: bool = True, steps: int | None = None,
                  resume: ResumeState | None = None, resume_after: int | None = None,
                  report: QuantReport | None = None, spill: StateSpill | None = None,
                  profiler: PassProfiler | None = None, place_tokens: Sequence[int] | None = None,
@@ -71,7 +71,9 @@ class LayerWiseRunner:
         self.processors = list(processors)
         self.savers = list(savers)
         self.dist = dist
-        self.prefetch = prefetch
+        # load the next unit and write the resumable state in background threads while a unit computes (off on a
+        # CPU device, where those threads compete with the compute for the same cores)
+        self.background = background
         # Number of lock-step sample slots; ranks with fewer samples idle through the collectives.
         self.steps = steps
         self.stats = RunStats()
@@ -153,9 +155,10 @@ class LayerWiseRunner:
         return outputs
 
     def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
-        """Snapshot what the rest of the run depends on and write it in the background: the next unit computes
-        while unit `index`'s file is written (the states are never changed in place, only replaced). The runner
-        waits only for the previous write, so a run spends on its resumable state what the disk cannot hide."""
+        """Snapshot what the rest of the run depends on and write it; in the background, the next unit computes
+        while unit `index`'s file is written (the states are never changed in place, only replaced) and the runner
+        waits only for the previous write, so a run spends on its resumable state what the disk cannot hide. In
+        line, a failed write is raised where a background one would be: at the next wait."""
         t0 = time.perf_counter()
         self._wait_for_state()
         if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
@@ -166,9 +169,17 @@ class LayerWiseRunner:
             "processors": [processor.resume_state() for processor in self.processors],
             "report": None if self.report is None else self.report.resume_state(),
         }
+        shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
+        if not self.background:
+            self._writing = Future()
+            try:
+                self._writing.set_result(self.resume.save(self.dist.rank, index, snapshot, shards))
+            except BaseException as exc:  # what the background thread's Future would carry
+                self._writing.set_exception(exc)
+            self.stats.add("resume_state", time.perf_counter() - t0)
+            return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
-        shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
         self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
         self.stats.add("resume_state", time.perf_counter() - t0)
 
@@ -206,7 +217,7 @@ class LayerWiseRunner:
             states = [dict(s) for s in samples]
         # the prefetch thread binds the rank's device once (else its work lands on device 0)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=bind_device,
-                                  initargs=(device,)) if self.prefetch else None
+                                  initargs=(device,)) if self.background else None
 
         def load_in_thread(unit: Unit) -> nn.Module:
             with ascend_check.watching():

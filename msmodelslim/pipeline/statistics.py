@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from msmodelslim.core.device import tensor_core_fp32_matmuls
+from msmodelslim.core.device import cpu_bf16_products, tensor_core_fp32_matmuls
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
@@ -157,7 +157,9 @@ class Hessian(Statistic):
         end = x.shape[0] if final else x.shape[0] // HESSIAN_CHUNK_TOKENS * HESSIAN_CHUNK_TOKENS
         if end < x.shape[0]:
             self.pending[name], self.pending_rows[name] = [x[end:].clone()], x.shape[0] - end
-        with tensor_core_fp32_matmuls(x.device):  # 16-bit inputs are exact in TF32 / HF32
+        # 16-bit inputs are exact in TF32 / HF32, and bf16 rows in the CPU's bf16 dot products
+        bf16_on_cpu = x.device.type == "cpu" and x.dtype == torch.bfloat16
+        with tensor_core_fp32_matmuls(x.device), cpu_bf16_products(bf16_on_cpu):
             for start in range(0, end, HESSIAN_CHUNK_TOKENS):
                 self._add(name, x[start:min(start + HESSIAN_CHUNK_TOKENS, end)].float())
 

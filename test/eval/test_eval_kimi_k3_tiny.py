@@ -43,7 +43,7 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
                                                                                 "*routed_expert_*_proj"],
                                                         exclude=["*kv_b_proj", "*.f_b_proj", "*.g_[ab]_proj"]))]
         saver = AscendV1Saver(AscendV1SaverConfig(), adapter, out, SINGLE)
-        LayerWiseRunner(adapter, procs, [saver], prefetch=False).run([])  # dynamic W4A8/W8A8 needs no samples
+        LayerWiseRunner(adapter, procs, [saver], background=False).run([])  # dynamic W4A8/W8A8 needs no samples
     finally:
         adapter.close()
     return src, out

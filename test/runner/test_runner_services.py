@@ -136,6 +136,30 @@ def test_a_wide_hessian_sums_its_upper_strips_and_mirrors_them():
     assert torch.equal(hessians[0], hessians[1])
 
 
+def test_bf16_rows_on_the_cpu_give_float32_sums_of_exact_products():
+    """The runner's hooks get bf16 activations; on the CPU their products run as bf16 dot products accumulating in
+    float32 (`cpu_bf16_products`). Reference: float64 X^T X; every entry within the rigorous bound of a float32 sum
+    of N exact products, N u sum_t |x_ti x_tj| (u = 2^-24), which a product rounded to bf16 (2^-8) would exceed by
+    far; the same bytes on a rerun; and the float32 rows' result within the same bound."""
+    width, rows = 2 * statistics.HESSIAN_CPU_STRIP + 44, 3 * HESSIAN_CHUNK_TOKENS + 5
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(rows, width, generator=g) * torch.linspace(0.1, 20, width)).to(torch.bfloat16)
+    ref = x.double().t() @ x.double()
+    bound = rows * 2.0 ** -24 * (x.double().abs().t() @ x.double().abs())
+
+    def hessian(rows_in: torch.Tensor) -> torch.Tensor:
+        h = statistics.Hessian(Observe(hessian=("a",)), {}, torch.device("cpu"))
+        for call in rows_in.split(700):
+            h.record("a", call)
+        h._flush("a", final=True)
+        return statistics._mirrored(h.sums.pop("a"))
+
+    first, again, float_rows = hessian(x), hessian(x), hessian(x.float())
+    assert bool(((first.double() - ref).abs() <= bound).all())
+    assert bool(((float_rows.double() - ref).abs() <= bound).all())
+    assert torch.equal(first, again)
+
+
 def test_readers_of_one_input_share_one_hessian():
     module = two_readers()  # a and b read the same input
     stats = observe(context(module, [tokens(1), tokens(2)]), Observe(hessian=("a", "b")))
@@ -284,7 +308,7 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     found = {}
     for cap in (580, None):
         adapter, probe = OneUnitAdapter(), CappedRanges(cap)
-        LayerWiseRunner(adapter, [probe], [], prefetch=False, place_tokens=place_tokens(samples)).run(
+        LayerWiseRunner(adapter, [probe], [], background=False, place_tokens=place_tokens(samples)).run(
             split_samples(samples, 0, 1))
         found[cap] = probe
     module = two_readers()
@@ -294,6 +318,31 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     assert found[580].forwards == 2 and found[None].forwards == 7
     assert found[580].stats.range_tokens["a"] == 590 and found[None].stats.range_tokens["a"] == 896
     assert torch.equal(found[580].stats.token_ranges["a"], reference.token_ranges["a"])
+
+
+def test_the_resumable_state_written_in_line_has_the_bytes_of_the_background_write(tmp_path):
+    """A CPU run writes its resumable state in line (no thread), accelerators in the background: the same files,
+    byte for byte, and only the background run starts the writer thread."""
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+    from msmodelslim.pipeline.resume import ResumeState
+
+    class Recorded(ResumeState):  # the files as the run leaves them, before its end drops the state
+        def invalidate(self) -> None:
+            self.files = {p.name: p.read_bytes() for p in sorted(self.root.glob("rank0/*"))}
+            super().invalidate()
+
+    g = torch.Generator().manual_seed(4)
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "x": torch.randn(n, 12, generator=g)}
+               for n in (5, 9)]
+    written = {}
+    for background in (True, False):
+        resume = Recorded(tmp_path / str(background))
+        resume.start({})
+        runner = LayerWiseRunner(OneUnitAdapter(), [], [], background=background, resume=resume)
+        runner.run(samples)
+        assert (runner._writer is not None) == background
+        written[background] = resume.files
+    assert written[True] == written[False] and any(name.endswith(".pt") for name in written[True])
 
 
 def test_a_unit_output_passed_through_untouched_goes_back_as_its_host_tensor(monkeypatch):
