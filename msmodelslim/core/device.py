@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -186,6 +188,17 @@ def tensor_core_fp32_matmuls(device: torch.device, enabled: bool = True) -> Iter
         setattr(flags, name, old)
 
 
+@functools.cache
+def cpu_has_bf16_dot_products() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; Linux's /proc/cpuinfo flags). Elsewhere oneDNN would
+    emulate the bf16 products, slower than its float32 ones."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @contextlib.contextmanager
 def cpu_bf16_products(enabled: bool = True) -> Iterator[None]:
     """Let float32 matmuls on the CPU multiply in bf16 inside the block: oneDNN's AVX512-BF16 / AMX dot products,
@@ -193,7 +206,7 @@ def cpu_bf16_products(enabled: bool = True) -> Iterator[None]:
     values: the product of two bf16 values is exact in float32, so the result is a float32 sum of exact products
     (values below 2^-126 count as zero). A CPU without bf16 instructions keeps float32 arithmetic."""
     flags = torch.backends.mkldnn.matmul
-    if not enabled or not hasattr(flags, "fp32_precision"):
+    if not enabled or not hasattr(flags, "fp32_precision") or not cpu_has_bf16_dot_products():
         yield
         return
     old = flags.fp32_precision
