@@ -155,10 +155,10 @@ class LayerWiseRunner:
         return outputs
 
     def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
-        """Snapshot what the rest of the run depends on and write it; in the background, the next unit computes
-        while unit `index`'s file is written (the states are never changed in place, only replaced) and the runner
-        waits only for the previous write, so a run spends on its resumable state what the disk cannot hide. In
-        line, a failed write is raised where a background one would be: at the next wait."""
+        """Snapshot what the rest of the run depends on and write it, in line or in the background: there the next
+        unit computes while unit `index`'s file is written (the states are never changed in place, only replaced)
+        and the runner waits only for the previous write, so a run spends on its resumable state what the disk
+        cannot hide."""
         t0 = time.perf_counter()
         self._wait_for_state()
         if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
@@ -171,11 +171,7 @@ class LayerWiseRunner:
         }
         shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
         if not self.background:
-            self._writing = Future()
-            try:
-                self._writing.set_result(self.resume.save(self.dist.rank, index, snapshot, shards))
-            except BaseException as exc:  # what the background thread's Future would carry
-                self._writing.set_exception(exc)
+            self.resume.save(self.dist.rank, index, snapshot, shards)
             self.stats.add("resume_state", time.perf_counter() - t0)
             return
         if self._writer is None:
