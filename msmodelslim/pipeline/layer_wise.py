@@ -1,9 +1,10 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
-Per unit: load (with `background`, the next unit loads in the background) -> processors in YAML order (the runner answers
-what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`) -> forward the processed unit over the samples to make
-the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP layers
-follow the head), with the quant report's observers on its quantized linears (pipeline/report.py) -> save -> free
+Per unit: load (with `background`, the next unit loads in the background) -> processors in YAML order (the runner
+answers what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`)
+-> forward the processed unit over the samples to make the next unit's inputs (quantization errors propagate as at
+inference; every unit but the last, since MTP layers follow the head), with the quant report's observers on its
+quantized linears (pipeline/report.py) -> save -> free
 -> keep the resumable state (with `background`, written while the next unit computes).
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
@@ -48,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunStats:
-    """Seconds per stage summed over units (with background loading, load counts only the time spent waiting for a unit);
-    `process.<type>` splits the process stage by processor (a type listed twice is summed), and within it
+    """Seconds per stage summed over units (loading in the background, load counts only the time spent waiting for a
+    unit); `process.<type>` splits the process stage by processor (a type listed twice is summed), and within it
     `observe.<type>` (calibration passes with their reductions), `reduce.<type>` and `jobs.<type>` (its heavy
     work, collectives included) say where that time went."""
 

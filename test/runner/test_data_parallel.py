@@ -104,7 +104,8 @@ def test_the_quant_report_covers_every_quantized_linear_and_agrees_across_rank_c
     report's 4 significant digits (rel 2e-3: its float32 sums reduced in another order, a flipped rounding), the
     layers after it to a median relative difference of 2 % (measured 0.6 % on this fixture, whose experts see 3 to
     120 tokens each)."""
-    one, two = (json.loads((out / "quant_report.json").read_text())["linears"] for out in (mini_runs.one, mini_runs.two))
+    one, two = (json.loads((out / "quant_report.json").read_text())["linears"]
+                for out in (mini_runs.one, mini_runs.two))
     reader = AscendV1Reader(mini_runs.one)
     try:
         quantized = set(reader.quantized_linears())
