@@ -171,13 +171,12 @@ class LayerWiseRunner:
             "report": None if self.report is None else self.report.resume_state(),
         }
         shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
-        if not self.background:
+        if self.background:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
+            self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
+        else:
             self.resume.save(self.dist.rank, index, snapshot, shards)
-            self.stats.add("resume_state", time.perf_counter() - t0)
-            return
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
-        self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
         self.stats.add("resume_state", time.perf_counter() - t0)
 
     def _wait_for_state(self) -> None:

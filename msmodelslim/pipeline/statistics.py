@@ -28,8 +28,9 @@ from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
-# On the CPU a Hessian's products fill only its upper triangle, a strip of this many rows per product: 0.6-0.84x the
-# time of the whole square (bench/hessian_strips.py); accelerators keep one product per chunk (one launch)
+# On the CPU a Hessian's products fill only its upper triangle, a strip of this many rows per product: 0.6-0.85x the
+# time of the whole square in float32, 0.3-0.65x as bf16 dot products (bench/hessian_strips.py); accelerators keep
+# one product per chunk (one launch)
 HESSIAN_CPU_STRIP = 128
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
 TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
