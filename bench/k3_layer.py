@@ -119,8 +119,9 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
 
     # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
     # micro-batch size autotuned again (2.5 min inside a timed run on the H200), so each variant warms up
-    for tree, batch in variants.values():
-        run_quant(model, out, args.device, practice_for(sizes[0], batch), tree=tree)
+    warmup = sizes[0] if args.warmup_tokens is None else args.warmup_tokens
+    for tree, batch in variants.values() if warmup else ():
+        run_quant(model, out, args.device, practice_for(warmup, batch), tree=tree)
     if args.profile:  # each calibration pass's operators, one run at the smallest size (printed, not in the JSON)
         prefix = BENCH_OUT / "k3_layer_profile"
         for batch in batches:
@@ -176,6 +177,9 @@ def main() -> None:
     p.add_argument("--resume-every", type=int, default=None,
                    help="with --tokens: spec.resume_every (the resumable state of all T tokens, ~14 KiB each, must "
                         "fit the disk: 5 units' states at 1M tokens are 70 GiB)")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="with --tokens: the untimed first run's size (default: the smallest T; 0: none, for a "
+                        "machine on which an earlier call of the same variants has already compiled and autotuned)")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")
