@@ -62,12 +62,12 @@ def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> 
     per_token = (1 + blocks + int(mtp)) * hidden + 8
     return {"bytes_per_token": per_token, "bytes": (per_token + hidden) * math.ceil(tokens / world),
             "attn_res_blocks": blocks, "mtp_inputs": mtp,
-            # on the save path's disk, all ranks, a bound that holds when every state spills (a spilled state is a
-            # whole file per unit; unspilled, the resumable state's files hold each tensor once, resume.py): the
-            # resumable state keeps the last KEEP units' states, one more is
-            # written, and the spilled states of the units since the last kept one (`spec.resume_every`) and of the
-            # unit in progress (pipeline/resume.py, spill.py)
-            "disk_bytes": (KEEP + 1 + resume_every) * per_token * tokens}
+            # on the save path's disk, all ranks, spilled or not: the files are incremental (pipeline/resume.py,
+            # spill.py), so a decoder unit's files hold its new hidden state and refer to the earlier files for the
+            # rest. Live are the last KEEP kept units, one more being written, the units since the last kept one
+            # (`spec.resume_every`) and the one in progress, a hidden state each; the passed-through tensors once, in
+            # the files of the units that made them; and the embedding unit's hidden state beside its MTP inputs
+            "disk_bytes": ((KEEP + 2 + resume_every) * hidden + per_token) * tokens}
 
 
 def check_host_memory(adapter: ModelAdapter, tokens: int, world: int, resume_every: int = 1) -> None:

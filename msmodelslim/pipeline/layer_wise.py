@@ -16,7 +16,6 @@ a host budget the runner keeps it in files read back memory-mapped (pipeline/spi
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non
 from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
-from msmodelslim.pipeline.spill import Spilled, StateSpill, loaded, map_state, state_bytes
+from msmodelslim.pipeline.spill import Spilled, StateSpill, map_state, state_bytes
 from msmodelslim.processor.base import OutputExtras, Processor
 
 logger = logging.getLogger(__name__)
@@ -130,7 +129,7 @@ class LayerWiseRunner:
                     self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
                 if step < len(states):
                     copies = HostCopies()
-                    out = self.adapter.forward_unit(unit, module, copies.to_device(loaded(states[step]), device))
+                    out = self.adapter.forward_unit(unit, module, copies.to_device(self._loaded(states[step]), device))
                     finite.append(all_finite(out))  # every pass: observers must never see a NaN
                     forwarded.append(step)
                     if keep:
@@ -150,10 +149,14 @@ class LayerWiseRunner:
             if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
         if bad:
             culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
-                unit, module, HostCopies().to_device(loaded(states[bad[0]]), device)))
+                unit, module, HostCopies().to_device(self._loaded(states[bad[0]]), device)))
             raise non_finite_error(unit.name, bad[0], culprit,
                                    next((p.dtype for p in module.parameters()), torch.float32))
         return outputs
+
+    def _loaded(self, state: Any) -> Any:
+        """A sample's state as the forward takes it (a spilled one read back)."""
+        return state if self.spill is None else self.spill.load(state)
 
     def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
         """Snapshot what the rest of the run depends on and write it, in line or in the background: there the next
@@ -194,9 +197,9 @@ class LayerWiseRunner:
         if self.report is not None and kept.get("report") is not None:
             self.report.restore_state(kept["report"])
         for state in kept["states"]:  # spilled states: their files as they were written (names and sizes)
-            if isinstance(state, Spilled) and (not os.path.isfile(state.path) or
-                                               os.path.getsize(state.path) != state.bytes):
-                raise UserError(f"{state.path}: a spilled calibration state of the resumable state is missing or "
+            missing = state.missing() if isinstance(state, Spilled) else None
+            if missing is not None:
+                raise UserError(f"{missing}: a spilled calibration state of the resumable state is missing or "
                                 f"damaged; discard it with --fresh")
         return kept["states"]  # on the host (or spilled), where the runner keeps them
 

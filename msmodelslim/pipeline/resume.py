@@ -14,8 +14,9 @@ process runs it), under `resume/`:
   slowest rank is at most one unit behind the fastest, and its write at most one more);
 - incremental: a state tensor already in an earlier kept file of the rank, unchanged (the same tensor object at the
   same version: a unit passes its finished attention-residual blocks, MTP inputs and token ids through untouched,
-  `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again. A Kimi-K3 unit
-  then writes its new hidden state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
+  `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, where it
+  holds a quarter of that file or more (`spill.referable`). A Kimi-K3 unit then writes its new hidden state, ~14 of
+  the ~126 KiB per token. A file that a kept file refers to is kept too;
 - `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file, of the files it refers
   to and of every shard the rank's savers had written by then. `--resume` checks them all before any compute (a
   damaged file that is still a valid archive, a truncated shard) and refuses with one line;
@@ -45,7 +46,7 @@ import torch
 
 from msmodelslim.core.files import file_sha256
 from msmodelslim.errors import UserError
-from msmodelslim.pipeline.spill import map_state
+from msmodelslim.pipeline.spill import map_state, referable
 
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
@@ -144,7 +145,7 @@ class ResumeState:
         folder.mkdir(parents=True, exist_ok=True)
         path = self._unit_path(rank, unit)
         tmp = path.with_name(path.name + ".tmp")
-        states, refers = self._share_stored(unit, state["states"])
+        states, refers = self._share_stored(rank, unit, state["states"])
         torch.save({**state, "states": states}, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -168,18 +169,31 @@ class ResumeState:
     def _manifest(self, rank: int, unit: int) -> dict[str, Any]:
         return json.loads(self._unit_path(rank, unit, ".json").read_text(encoding="utf-8"))
 
-    def _share_stored(self, unit: int, states: list[Any]) -> tuple[list[Any], set[int]]:
-        """`states` with every tensor already kept in an earlier file, unchanged, replaced by its `StoredTensor`,
-        and the units referred to; the registry then holds the tensors of these states."""
+    def _share_stored(self, rank: int, unit: int, states: list[Any]) -> tuple[list[Any], set[int]]:
+        """`states` with every tensor already kept in an earlier file, unchanged, replaced by its `StoredTensor`
+        where that file is `referable`, and the units referred to; the registry then holds the tensors of these
+        states."""
         stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
-        refers: set[int] = set()
+
+        def origin(value: torch.Tensor) -> StoredTensor | None:
+            known = self._stored.get(id(value))
+            return known[2] if known is not None and known[0]() is value and known[1] == value._version else None
+
+        used: dict[int, int] = {}  # earlier unit -> bytes of these states in its file
+
+        def count(value: torch.Tensor, _path: tuple[Any, ...]) -> None:
+            if (where := origin(value)) is not None:
+                used[where.unit] = used.get(where.unit, 0) + value.numel() * value.element_size()
+
+        for s in states:
+            map_state(s, count)
+        refers = {u for u, n in used.items() if referable(n, self._unit_path(rank, u).stat().st_size)}
 
         def share(value: torch.Tensor, sample: int, path: tuple[Any, ...]) -> Any:
-            known = self._stored.get(id(value))
-            if known is not None and known[0]() is value and known[1] == value._version:
-                refers.add(known[2].unit)
-                stored[id(value)] = known
-                return known[2]
+            where = origin(value)
+            if where is not None and where.unit in refers:
+                stored[id(value)] = (weakref.ref(value), value._version, where)
+                return where
             stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
             return value
 

@@ -5,8 +5,15 @@ inputs; `assembly.host_state`), so a million tokens do not fit in a rank's host 
 outputs in memory until they reach `budget` bytes and writes the rest to `<folder>/unit<k>/<i>.pt` as they are made.
 A spilled state is read back with `torch.load(mmap=True)`: its pages come from the file as the forward reads them,
 and the kernel may drop them again (they are clean), so the resident state stays near the budget. The files are the
-state: the resumable state of a unit records their names and sizes instead of their tensors, and a unit's folder is
-deleted once no kept unit refers to it.
+state: the resumable state of a unit records their names and sizes instead of their tensors.
+
+Incremental, like the resumable state: a tensor a unit passes through untouched (the same tensor object it read
+from a spill file, at the same version: Kimi-K3's finished attention-residual blocks, MTP inputs and token ids,
+`layer_wise.HostCopies`) is written as a `SpillRef` to the file that holds it, so a decoder unit writes its new
+hidden state, ~14 of the ~126 KiB per token. A reference always names the file the bytes are in (one read back
+through a reference is remembered at its origin), so references never chain, and only where they hold a quarter of
+that file or more (`referable`). Each unit folder lists the folders its files refer to (`refers.json`); a folder is
+deleted once no live or kept unit's folder is it or refers to it.
 
 Budget: `$MSMODELSLIM_HOST_STATE_GIB` per rank, else half of the host memory available at the start divided over
 the ranks of the host.
@@ -14,8 +21,10 @@ the ranks of the host.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,18 +40,35 @@ GIB = 1024**3
 
 
 @dataclass(frozen=True)
+class SpillRef:
+    """In a spill file: a tensor kept unchanged in an earlier one, at `keys` (the keys and indices) of its state."""
+
+    path: str
+    keys: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class Spilled:
-    """A micro-batch's state kept in a file."""
+    """A micro-batch's state kept in a file; `refers`: the earlier files (path, bytes) its `SpillRef`s point into."""
 
     path: str
     bytes: int
+    refers: tuple[tuple[str, int], ...] = ()
 
-    def load(self) -> Any:
-        try:
-            return torch.load(self.path, map_location="cpu", mmap=True, weights_only=False)
-        except Exception as exc:  # a removed, truncated or damaged file: any unpickling error
-            raise UserError(f"{self.path}: a spilled calibration state is unreadable "
-                            f"({' '.join(str(exc).split())[:120]}); discard the run with --fresh") from None
+    def missing(self) -> str | None:
+        """The first of its files that is gone or has another size than when it was written, if any."""
+        for path, size in ((self.path, self.bytes), *self.refers):
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                return path
+        return None
+
+
+def _read(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:  # a removed, truncated or damaged file: any unpickling error
+        raise UserError(f"{path}: a spilled calibration state is unreadable "
+                        f"({' '.join(str(exc).split())[:120]}); discard the run with --fresh") from None
 
 
 def map_state(value: Any, fn: Any, leaves: tuple[type, ...] = (torch.Tensor,), path: tuple[Any, ...] = ()) -> Any:
@@ -68,9 +94,11 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-def loaded(state: Any) -> Any:
-    """A state as the forward takes it (a spilled one read back)."""
-    return state.load() if isinstance(state, Spilled) else state
+def referable(used: int, size: int) -> bool:
+    """Whether a new file refers to an earlier file of `size` bytes for `used` bytes of its tensors, rather than
+    writing them again: for a quarter of that file or more. A reference keeps the whole file on disk, and the token
+    ids alone would keep the vision unit's pixels there for the whole run."""
+    return 4 * used >= size
 
 
 def host_budget(local_ranks: int) -> int:
@@ -94,28 +122,88 @@ class StateSpill:
     def __init__(self, folder: Path, budget: int) -> None:
         self.folder = folder
         self.budget = budget
+        # the tensors of the spilled states read back, by id: (a weak reference, its version, where it is kept,
+        # the bytes of that file); weak, so the registry never keeps a replaced state alive
+        self._origin: dict[int, tuple[weakref.ref, int, SpillRef, int]] = {}
 
     def unit_folder(self, unit: int) -> Path:
         return self.folder / f"unit{unit:05d}"
 
+    def load(self, state: Any) -> Any:
+        """A state as the forward takes it: a spilled one read back (memory-mapped, its references resolved), each
+        tensor remembered with the file that holds it."""
+        if not isinstance(state, Spilled):
+            return state
+        self._origin = {key: known for key, known in self._origin.items() if known[0]() is not None}
+        earlier: dict[str, Any] = {}
+        sizes = {state.path: state.bytes, **dict(state.refers)}
+
+        def resolve(value: torch.Tensor | SpillRef, keys: tuple[Any, ...]) -> torch.Tensor:
+            where = value if isinstance(value, SpillRef) else SpillRef(state.path, keys)
+            if isinstance(value, SpillRef):
+                if value.path not in earlier:
+                    earlier[value.path] = _read(value.path)
+                value = earlier[value.path]
+                for key in where.keys:
+                    value = value[key]
+            self._origin[id(value)] = (weakref.ref(value), value._version, where, sizes[where.path])
+            return value
+
+        return map_state(_read(state.path), resolve, (torch.Tensor, SpillRef))
+
     def keep(self, unit: int, index: int, state: Any, kept_bytes: int) -> Any:
         """`state` (micro-batch `index` of unit `unit`'s outputs, on the host) as the runner keeps it: itself while
-        the outputs kept so far (`kept_bytes`, this one included) fit the budget, else a file."""
+        the outputs kept so far (`kept_bytes`, this one included) fit the budget, else a file (the tensors read
+        back from a spill file and passed through unchanged as references to it)."""
         if kept_bytes <= self.budget:
             return state
         folder = self.unit_folder(unit)
         folder.mkdir(parents=True, exist_ok=True)
+        def origin(value: torch.Tensor) -> tuple[SpillRef, int] | None:
+            known = self._origin.get(id(value))
+            return known[2:] if known is not None and known[0]() is value and known[1] == value._version else None
+
+        shared: dict[str, list[int]] = {}  # origin file -> [bytes of this state in it, its bytes]
+
+        def count(value: torch.Tensor, _keys: tuple[Any, ...]) -> None:
+            if (where := origin(value)) is not None:
+                shared.setdefault(where[0].path, [0, where[1]])[0] += value.numel() * value.element_size()
+
+        map_state(state, count)
+        refers = {path: size for path, (used, size) in shared.items() if referable(used, size)}
+
+        def share(value: torch.Tensor, _keys: tuple[Any, ...]) -> Any:
+            where = origin(value)
+            return where[0] if where is not None and where[0].path in refers else value
+
         path = folder / f"{index:06d}.pt"
-        torch.save(state, path)
-        return Spilled(str(path), path.stat().st_size)
+        torch.save(map_state(state, share), path)
+        self._note_refers(folder, {Path(p).parent.name for p in refers})
+        return Spilled(str(path), path.stat().st_size, tuple(refers.items()))
+
+    def _note_refers(self, folder: Path, names: set[str]) -> None:
+        listed = folder / "refers.json"
+        known = set(json.loads(listed.read_text())) if listed.is_file() else set()
+        if not names <= known:
+            tmp = listed.with_suffix(".tmp")
+            tmp.write_text(json.dumps(sorted(known | names)))
+            os.replace(tmp, listed)
 
     def drop_before(self, unit: int, keep: set[int] = frozenset()) -> None:
-        """Delete the folders of units before `unit` but those of `keep` (the units a kept state refers to)."""
+        """Delete the folders of units before `unit` but those of `keep` (the units a kept state belongs to) and
+        those that the folders of these units and of units from `unit` on refer to."""
         if not self.folder.is_dir():
             return
-        for child in self.folder.iterdir():
-            if child.name.startswith("unit") and child.name[4:].isdigit() and int(child.name[4:]) < unit \
-                    and int(child.name[4:]) not in keep:
+        units = {int(child.name[4:]): child for child in self.folder.iterdir()
+                 if child.name.startswith("unit") and child.name[4:].isdigit()}
+        live = {k for k in units if k >= unit or k in keep}
+        needed = {units[k].name for k in live}
+        for k in live:
+            listed = units[k] / "refers.json"
+            if listed.is_file():
+                needed.update(json.loads(listed.read_text()))
+        for child in units.values():
+            if child.name not in needed:
                 shutil.rmtree(child, ignore_errors=True)
 
     def close(self) -> None:

@@ -331,8 +331,11 @@ def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, ca
 def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_from_the_files(
         tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
     # $MSMODELSLIM_HOST_STATE_GIB=0: every micro-batch's state between units goes to a file (pipeline/spill.py) and is
-    # read back memory-mapped; the kept units refer to those files. Reference: the uninterrupted in-memory run, bytes.
-    from msmodelslim.pipeline.spill import BUDGET_ENV
+    # read back memory-mapped; the kept units refer to those files, and a decoder unit's files to the earlier ones
+    # that hold the blocks it passed through. Reference: the uninterrupted in-memory run, bytes.
+    import torch
+
+    from msmodelslim.pipeline.spill import BUDGET_ENV, SpillRef, map_state
 
     monkeypatch.setenv(BUDGET_ENV, "0")
     save = tmp_path / "out"
@@ -340,6 +343,10 @@ def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_fro
     stop_after(args, "layers.1", "sigkill", tmp_path)
     spilled = list((tmp_path / ".out.partial").rglob("spill/unit*/*.pt"))
     assert spilled, "nothing spilled"
+    references = []
+    for path in spilled:
+        map_state(torch.load(path, weights_only=False), lambda ref, _keys: references.append(ref), (SpillRef,))
+    assert references, "no spilled state refers to an earlier file"
     assert main([*args, "--resume"]) == 0
     assert_same_files(reference("cpu"), save)
     assert os.listdir(tmp_path) == ["out"]  # the spilled state went with the resumable state
@@ -368,3 +375,37 @@ def test_a_run_that_keeps_its_state_every_second_unit_resumes_to_the_uninterrupt
     assert kept and all(int(name[4:9]) % 2 == 1 for name in kept), kept
     assert main([*args, "--resume"]) == 0
     assert_same_files(expected, save)
+
+
+def test_the_spilled_state_on_disk_stays_within_the_plans_bound(tiny_k3_checkpoint, practice, tmp_path, monkeypatch):
+    # Every state spills ($MSMODELSLIM_HOST_STATE_GIB=0). Measured after every spill file written: the tensor bytes
+    # in the live spill files (a reference to an earlier file counts nothing; each file's own tensors, all of them)
+    # but the vision unit's, whose outputs carry the records' pixels, which the plan does not count (float32 patches:
+    # here 25x a token's hidden state, at Kimi-K3 scale ~2 % of it); reference: `--plan`'s host_state disk_bytes
+    # for the same practice (app/plan.py), which the peak must not pass. The files are incremental: the peak stays
+    # under two whole states, where writing each unit's whole state kept at least five.
+    import torch
+
+    from msmodelslim.app.quant import plan
+    from msmodelslim.pipeline.spill import BUDGET_ENV, StateSpill, state_bytes
+
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    args = QuantArgs(model_path=str(tiny_k3_checkpoint), save_path=str(tmp_path / "out"), device="cpu",
+                     model_type="Kimi-K3", config_path=str(practice), trust_remote_code=True)
+    planned = plan(args)
+    estimate, tokens = planned["memory_per_rank"]["host_state"], planned["calibration"]["tokens"]
+    peak, sizes = [0], {}
+    keep = StateSpill.keep
+
+    def measured_keep(self, *a, **kw):
+        kept = keep(self, *a, **kw)
+        if kept.path not in sizes:
+            sizes[kept.path] = state_bytes(torch.load(kept.path, weights_only=False))
+        peak[0] = max(peak[0], sum(size for path, size in sizes.items()
+                                   if os.path.isfile(path) and Path(path).parent.name != "unit00000"))  # vision
+        return kept
+
+    monkeypatch.setattr(StateSpill, "keep", measured_keep)
+    quant(args)
+    assert 0 < peak[0] <= estimate["disk_bytes"], (peak[0], estimate)
+    assert peak[0] < 2 * estimate["bytes_per_token"] * tokens, (peak[0], estimate)
