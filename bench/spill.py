@@ -1,14 +1,20 @@
 """What the samples' state costs when it spills to disk at Kimi-K3's size (issue 31: 129,032 bytes per token).
 
 Past the host budget the runner writes each micro-batch's outputs to a file as a unit makes them and reads it back
-memory-mapped when the next unit forwards it (pipeline/spill.py). This bench does exactly that through `StateSpill`
-and `Spilled.load`, with Kimi-K3's state per token (the hidden state, 7 attention-residual blocks and the MTP input,
-each bf16 [7168], and the token id: 129,032 bytes) in micro-batches of 8,192 tokens (1.06 GB each): it writes
-`--batches` of them, more than the page cache holds, then reads each back and copies every byte into one buffer (as
-the forward's move to the device does). Prints the write and read rates, the milliseconds per token and unit, and
-what a unit's spill costs at 1M tokens per rank.
+memory-mapped when the next unit forwards it (pipeline/spill.py). This bench does exactly that through `StateSpill`,
+with Kimi-K3's state per token (the hidden state, 7 attention-residual blocks and the MTP input, each bf16 [7168],
+and the token id: 129,032 bytes) in micro-batches of 8,192 tokens (1.06 GB each):
 
-    python bench/spill.py [--batches 24 --folder bench_out/spill_bench]
+1. the first unit writes `--batches` of them whole (more than the page cache holds at the default);
+2. a decoder unit reads each back, copies every byte into one buffer (as the forward's move to the device does) and
+   keeps a new hidden state with the rest passed through, two ways alternating (`--repeats` each): `incremental`,
+   the runner's (the passed-through tensors are references to the first unit's files), and `whole`, every tensor
+   written again (the spill before session 24: the passed-through tensors as new objects).
+
+Prints per way the read and write seconds of each run, the bytes written, the best run's milliseconds per token
+and unit and what a decoder unit's spill costs at 1M tokens per rank at that rate.
+
+    python bench/spill.py [--batches 16 --repeats 2 --folder bench_out/spill_bench]
 Prints one JSON line last.
 """
 
@@ -39,44 +45,70 @@ def k3_state(tokens: int) -> dict:
             "input_ids": torch.randint(0, 160_000, (tokens,))}
 
 
+def decoder_unit(spill: StateSpill, unit: int, kept: list, whole: bool) -> dict:
+    """Unit `unit` over the spilled states `kept` of the first unit: read each back into one buffer, keep a new
+    hidden state and the rest passed through (as new objects when `whole`). Seconds reading and writing, bytes."""
+    buffers = k3_state(len(spill.load(kept[0])["input_ids"]))  # the device copy's source stands in for the device
+    fresh = buffers["hidden"].clone()
+    read_s = write_s = 0.0
+    written = 0
+    for i, item in enumerate(kept):
+        start = time.perf_counter()
+        loaded = spill.load(item)
+        for dst, src in zip([buffers["hidden"], *buffers["blocks"], buffers["mtp"], buffers["input_ids"]],
+                            [loaded["hidden"], *loaded["blocks"], loaded["mtp"], loaded["input_ids"]], strict=True):
+            dst.copy_(src)
+        read_s += time.perf_counter() - start
+        out = {**loaded, "hidden": fresh + i}  # a new hidden state (one add: not timed as the unit's work)
+        if whole:
+            out = {k: (v.clone() if k != "blocks" else [b.clone() for b in v]) for k, v in out.items()}
+        start = time.perf_counter()
+        made = spill.keep(unit, i, out, state_bytes(out))
+        write_s += time.perf_counter() - start
+        written += made.bytes
+        del loaded, out
+    return {"read_s": read_s, "write_s": write_s, "bytes": written}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", type=int, default=24)
+    p.add_argument("--batches", type=int, default=16)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch")
     p.add_argument("--folder", default=str(BENCH_OUT / "spill_bench"))
+    p.add_argument("--repeats", type=int, default=2, help="decoder units of each way, alternating")
     args = p.parse_args()
     folder = Path(args.folder)
     shutil.rmtree(folder, ignore_errors=True)
     spill = StateSpill(folder, budget=0)
     state = k3_state(args.tokens)
     per_batch = state_bytes(state)
+    tokens = args.batches * args.tokens
+    ways = {}
     try:
         start = time.perf_counter()
         kept = [spill.keep(0, i, state, per_batch) for i in range(args.batches)]
-        write_s = time.perf_counter() - start
+        first_write_s = time.perf_counter() - start
         del state
-        buffers = k3_state(args.tokens)  # where the bytes go (the device copy's source stands in for the device)
-        start = time.perf_counter()
-        for item in kept:
-            loaded = item.load()
-            buffers["hidden"].copy_(loaded["hidden"])
-            for dst, src in zip(buffers["blocks"], loaded["blocks"], strict=True):
-                dst.copy_(src)
-            buffers["mtp"].copy_(loaded["mtp"])
-            buffers["input_ids"].copy_(loaded["input_ids"])
-            del loaded
-        read_s = time.perf_counter() - start
+        runs: dict[str, list[dict]] = {"incremental": [], "whole": []}
+        for unit, way in enumerate(["incremental", "whole"] * args.repeats, start=1):  # alternating: drift hits both
+            runs[way].append(decoder_unit(spill, unit, kept, whole=way == "whole"))
+            shutil.rmtree(spill.unit_folder(unit))
+        for way, done in runs.items():
+            best = min(done, key=lambda r: r["read_s"] + r["write_s"])
+            ms = 1000 * (best["read_s"] + best["write_s"]) / tokens
+            ways[way] = {"read_s": [round(r["read_s"], 1) for r in done],
+                         "write_s": [round(r["write_s"], 1) for r in done],
+                         "written_gb": round(best["bytes"] / 1e9, 2),
+                         "written_bytes_per_token": best["bytes"] // tokens,
+                         "ms_per_token_per_unit_best": round(ms, 4), "unit_at_1m_tokens_s": round(ms * 1e3, 1)}
     finally:
         spill.close()
-    tokens = args.batches * args.tokens
     total = per_batch * args.batches
-    ms_per_token = 1000 * (write_s + read_s) / tokens
     print_result({"bench": "spill", "machine": machine(), "bytes_per_token": per_batch // args.tokens,
-                  "batches": args.batches, "tokens": tokens, "gb": round(total / 1e9, 2),
-                  "write_gb_per_s": round(total / 1e9 / write_s, 3), "read_gb_per_s": round(total / 1e9 / read_s, 3),
-                  "write_s": round(write_s, 1), "read_s": round(read_s, 1),
-                  "ms_per_token_per_unit": round(ms_per_token, 4),
-                  "unit_at_1m_tokens_s": round(ms_per_token * 1e6 / 1000, 1)})
+                  "batches": args.batches, "tokens": tokens, "first_unit_gb": round(total / 1e9, 2),
+                  "first_unit_write_gb_per_s": round(total / 1e9 / first_write_s, 3), "decoder_unit": ways,
+                  "ratio_incremental_vs_whole": round(ways["incremental"]["ms_per_token_per_unit_best"]
+                                                      / ways["whole"]["ms_per_token_per_unit_best"], 3)})
 
 
 if __name__ == "__main__":
