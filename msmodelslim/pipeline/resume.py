@@ -14,9 +14,9 @@ process runs it), under `resume/`:
   slowest rank is at most one unit behind the fastest, and its write at most one more);
 - incremental: a state tensor already in an earlier kept file of the rank, unchanged (the same tensor object at the
   same version: a unit passes its finished attention-residual blocks, MTP inputs and token ids through untouched,
-  `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, where it
-  holds a quarter of that file or more (`spill.referable`). A Kimi-K3 unit then writes its new hidden state, ~14 of
-  the ~126 KiB per token. A file that a kept file refers to is kept too;
+  `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, unless that
+  would keep much more of that file than it uses (`spill.referable`). A Kimi-K3 unit then writes its new hidden
+  state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
 - `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file, of the files it refers
   to and of every shard the rank's savers had written by then. `--resume` checks them all before any compute (a
   damaged file that is still a valid archive, a truncated shard) and refuses with one line;

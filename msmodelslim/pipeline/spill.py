@@ -11,8 +11,8 @@ Incremental, like the resumable state: a tensor a unit passes through untouched 
 from a spill file, at the same version: Kimi-K3's finished attention-residual blocks, MTP inputs and token ids,
 `layer_wise.HostCopies`) is written as a `SpillRef` to the file that holds it, so a decoder unit writes its new
 hidden state, ~14 of the ~126 KiB per token. A reference always names the file the bytes are in (one read back
-through a reference is remembered at its origin), so references never chain, and only where they hold a quarter of
-that file or more (`referable`). Each unit folder lists the folders its files refer to (`refers.json`); a folder is
+through a reference is remembered at its origin), so references never chain, and not where a reference would keep
+much more of that file than it uses (`referable`). Each unit folder lists the folders its files refer to (`refers.json`); a folder is
 deleted once no live or kept unit's folder is it or refers to it.
 
 Budget: `$MSMODELSLIM_HOST_STATE_GIB` per rank, else half of the host memory available at the start divided over
@@ -96,9 +96,9 @@ def state_bytes(state: Any) -> int:
 
 def referable(used: int, size: int) -> bool:
     """Whether a new file refers to an earlier file of `size` bytes for `used` bytes of its tensors, rather than
-    writing them again: for a quarter of that file or more. A reference keeps the whole file on disk, and the token
-    ids alone would keep the vision unit's pixels there for the whole run."""
-    return 4 * used >= size
+    writing them again. A reference keeps the whole file on disk: not where that keeps over three times the referred
+    bytes, and over 1 MiB, for nothing (the token ids alone would keep the vision unit's pixels there all run)."""
+    return size - used <= max(3 * used, 1 << 20)
 
 
 def host_budget(local_ranks: int) -> int:
