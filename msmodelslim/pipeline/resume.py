@@ -17,9 +17,10 @@ process runs it), under `resume/`:
   `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, unless that
   would keep much more of that file than it uses (`spill.referable`). A Kimi-K3 unit then writes its new hidden
   state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
-- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the sha256 of that file, of the files it refers
-  to and of every shard the rank's savers had written by then. `--resume` checks them all before any compute (a
-  damaged file that is still a valid archive, a truncated shard) and refuses with one line;
+- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the checksum (CRC-32, `files.file_checksum`) of
+  that file, of the files it refers to and of every shard the rank's savers had written by then. `--resume` checks
+  them all before any compute (a damaged file that is still a valid archive, a truncated shard) and refuses with
+  one line;
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
@@ -44,9 +45,9 @@ from typing import Any
 
 import torch
 
-from msmodelslim.core.files import file_sha256
+from msmodelslim.core.files import file_checksum
 from msmodelslim.errors import UserError
-from msmodelslim.pipeline.spill import map_state, referable
+from msmodelslim.pipeline.spill import map_state, referable, save_without_crc
 
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
@@ -140,17 +141,17 @@ class ResumeState:
 
     def save(self, rank: int, unit: int, state: dict[str, Any], shards: dict[str, str]) -> None:
         """Keep `state` after `unit`; `shards`: the files (relative to the work dir) the rank's savers have written
-        so far, with their sha256."""
+        so far, with their checksums."""
         folder = self.root / f"rank{rank}"
         folder.mkdir(parents=True, exist_ok=True)
         path = self._unit_path(rank, unit)
         tmp = path.with_name(path.name + ".tmp")
         states, refers = self._share_stored(rank, unit, state["states"])
-        torch.save({**state, "states": states}, tmp)
+        save_without_crc({**state, "states": states}, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        manifest = {"sha256": file_sha256(tmp), "shards": shards,
-                    "refers": {str(u): self._manifest(rank, u)["sha256"] for u in sorted(refers)}}
+        manifest = {"checksum": file_checksum(tmp), "shards": shards,
+                    "refers": {str(u): self._manifest(rank, u)["checksum"] for u in sorted(refers)}}
         write_atomic(self._unit_path(rank, unit, ".json"), lambda p: p.write_text(json.dumps(manifest)))
         os.replace(tmp, path)
         _fsync_dir(folder)
@@ -209,7 +210,7 @@ class ResumeState:
             manifest_path = self._unit_path(rank, unit, ".json")
             try:
                 manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-                checks.append((self._unit_path(rank, unit), manifest["sha256"]))
+                checks.append((self._unit_path(rank, unit), manifest["checksum"]))
                 checks += [(self._unit_path(rank, int(u)), digest)
                            for u, digest in sorted(manifest.get("refers", {}).items())]
                 checks += [(self.work_dir / name, digest) for name, digest in sorted(manifest["shards"].items())]
@@ -220,10 +221,10 @@ class ResumeState:
         def damaged(check: tuple[Path, str]) -> str | None:
             path, digest = check
             try:
-                actual = file_sha256(path)
+                actual = file_checksum(path)
             except OSError as exc:
                 return f"{path}: {exc.strerror or exc}"
-            return None if actual == digest else f"{path}: its sha256 differs from the one recorded with the unit"
+            return None if actual == digest else f"{path}: its checksum differs from the one recorded with the unit"
 
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             problems = [p for p in pool.map(damaged, checks) if p is not None]

@@ -312,7 +312,7 @@ def test_resume_refuses_a_damaged_state_file_that_is_still_a_valid_archive(tiny_
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
-    assert f"the resumable state is damaged ({path}: its sha256 differs" in line and "--fresh" in line
+    assert f"the resumable state is damaged ({path}: its checksum differs" in line and "--fresh" in line
 
 
 def test_resume_refuses_a_truncated_shard_of_the_state(tiny_k3_checkpoint, practice, state_copy, capsys):
@@ -320,7 +320,7 @@ def test_resume_refuses_a_truncated_shard_of_the_state(tiny_k3_checkpoint, pract
     assert shards
     shards[0].write_bytes(shards[0].read_bytes()[:-100])
     line = refused([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"], capsys)
-    assert f"the resumable state is damaged ({shards[0]}: its sha256 differs" in line
+    assert f"the resumable state is damaged ({shards[0]}: its checksum differs" in line
 
 
 def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, capsys):

@@ -81,5 +81,5 @@ def test_a_damaged_file_that_a_kept_unit_refers_to_refuses_the_resume(tmp_path):
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(UserError, match="unit00000.pt: its sha256 differs"):
+    with pytest.raises(UserError, match="unit00000.pt: its checksum differs"):
         ResumeState(tmp_path).verify(1, world_size=1)

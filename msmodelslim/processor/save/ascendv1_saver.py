@@ -55,7 +55,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from msmodelslim.core.files import file_sha256
+from msmodelslim.core.files import file_checksum
 from msmodelslim.core.placement import HOST, host_section, on_host
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import (
@@ -308,7 +308,7 @@ class AscendV1Saver(Saver):
                 "attention": {k: dict(v) for k, v in self._attention.items()}, "group_sizes": sorted(self._group_sizes)}
 
     def written_files(self) -> dict[str, str]:
-        return {entry["file"]: entry["sha256"] for entry in self._files}
+        return {entry["file"]: entry["checksum"] for entry in self._files}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         self._files = list(state["files"])
@@ -402,7 +402,7 @@ class AscendV1Saver(Saver):
         with open(self.work_dir / file, "rb") as written:  # durable before a unit's state counts it as written
             os.fsync(written.fileno())
         self._files.append({"file": file, "names": sorted(self._pending), "bytes": self._pending_bytes,
-                            "sha256": file_sha256(self.work_dir / file)})
+                            "checksum": file_checksum(self.work_dir / file)})
         logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, file, len(self._pending),
                      self._pending_bytes / GIB)
         self._pending, self._pending_bytes = {}, 0

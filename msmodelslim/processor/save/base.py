@@ -60,7 +60,7 @@ class Saver(ABC):
         """Continue from `resume_state()`'s value, dropping anything this rank wrote after it."""
 
     def written_files(self) -> dict[str, str]:
-        """The files this rank has written so far (relative to the work dir) -> their sha256: the resumable state
+        """The files this rank has written so far (relative to the work dir) -> their checksum: the resumable state
         records them with every unit and `--resume` checks them."""
         return {}
 
