@@ -12,8 +12,8 @@ from a spill file, at the same version: Kimi-K3's finished attention-residual bl
 `layer_wise.HostCopies`) is written as a `SpillRef` to the file that holds it, so a decoder unit writes its new
 hidden state, ~14 of the ~126 KiB per token. A reference always names the file the bytes are in (one read back
 through a reference is remembered at its origin), so references never chain, and not where a reference would keep
-much more of that file than it uses (`referable`). Each unit folder lists the folders its files refer to (`refers.json`); a folder is
-deleted once no live or kept unit's folder is it or refers to it.
+much more of that file than it uses (`referable`). Each unit folder lists the folders its files refer to
+(`refers.json`); a folder is deleted once no live or kept unit's folder is it or refers to it.
 
 Budget: `$MSMODELSLIM_HOST_STATE_GIB` per rank, else half of the host memory available at the start divided over
 the ranks of the host.
@@ -175,6 +175,7 @@ class StateSpill:
             return state
         folder = self.unit_folder(unit)
         folder.mkdir(parents=True, exist_ok=True)
+
         def origin(value: torch.Tensor) -> tuple[SpillRef, int] | None:
             known = self._origin.get(id(value))
             return known[2:] if known is not None and known[0]() is value and known[1] == value._version else None
