@@ -45,10 +45,10 @@ def k3_state(tokens: int) -> dict:
             "input_ids": torch.randint(0, 160_000, (tokens,))}
 
 
-def decoder_unit(spill: StateSpill, unit: int, kept: list, whole: bool) -> dict:
+def decoder_unit(spill: StateSpill, unit: int, kept: list, tokens: int, whole: bool) -> dict:
     """Unit `unit` over the spilled states `kept` of the first unit: read each back into one buffer, keep a new
     hidden state and the rest passed through (as new objects when `whole`). Seconds reading and writing, bytes."""
-    buffers = k3_state(len(spill.load(kept[0])["input_ids"]))  # the device copy's source stands in for the device
+    buffers = k3_state(tokens)  # the device copy's source stands in for the device
     fresh = buffers["hidden"].clone()
     read_s = write_s = 0.0
     written = 0
@@ -91,7 +91,7 @@ def main() -> None:
         del state
         runs: dict[str, list[dict]] = {"incremental": [], "whole": []}
         for unit, way in enumerate(["incremental", "whole"] * args.repeats, start=1):  # alternating: drift hits both
-            runs[way].append(decoder_unit(spill, unit, kept, whole=way == "whole"))
+            runs[way].append(decoder_unit(spill, unit, kept, args.tokens, whole=way == "whole"))
             shutil.rmtree(spill.unit_folder(unit))
         for way, done in runs.items():
             best = min(done, key=lambda r: r["read_s"] + r["write_s"])

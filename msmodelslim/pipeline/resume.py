@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ import torch
 
 from msmodelslim.core.files import file_checksum
 from msmodelslim.errors import UserError
-from msmodelslim.pipeline.spill import map_state, referable, save_without_crc
+from msmodelslim.pipeline.spill import TensorOrigins, map_state, save_without_crc
 
 STATE_DIR = "resume"
 FINGERPRINT = "fingerprint.json"
@@ -96,9 +95,8 @@ class ResumeState:
     """The resumable state of one run's temporary output `work_dir`."""
 
     work_dir: Path
-    # the state tensors of the last file written or read, by id: (a weak reference, its version, where it is kept);
-    # a weak reference, so the registry never keeps a replaced hidden state alive
-    _stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = field(default_factory=dict, init=False, repr=False)
+    # the state tensors of the last file written or read: their StoredTensors
+    _stored: TensorOrigins = field(default_factory=TensorOrigins, init=False, repr=False)
 
     @property
     def root(self) -> Path:
@@ -174,28 +172,16 @@ class ResumeState:
         """`states` with every tensor already kept in an earlier file, unchanged, replaced by its `StoredTensor`
         where that file is `referable`, and the units referred to; the registry then holds the tensors of these
         states."""
-        stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
-
-        def origin(value: torch.Tensor) -> StoredTensor | None:
-            known = self._stored.get(id(value))
-            return known[2] if known is not None and known[0]() is value and known[1] == value._version else None
-
-        used: dict[int, int] = {}  # earlier unit -> bytes of these states in its file
-
-        def count(value: torch.Tensor, _path: tuple[Any, ...]) -> None:
-            if (where := origin(value)) is not None:
-                used[where.unit] = used.get(where.unit, 0) + value.numel() * value.element_size()
-
-        for s in states:
-            map_state(s, count)
-        refers = {u for u, n in used.items() if referable(n, self._unit_path(rank, u).stat().st_size)}
+        refers = self._stored.referable_files(states, lambda where: where.unit,
+                                              lambda u: self._unit_path(rank, u).stat().st_size)
+        stored = TensorOrigins()
 
         def share(value: torch.Tensor, sample: int, path: tuple[Any, ...]) -> Any:
-            where = origin(value)
+            where = self._stored.where(value)
             if where is not None and where.unit in refers:
-                stored[id(value)] = (weakref.ref(value), value._version, where)
+                stored.remember(value, where)
                 return where
-            stored[id(value)] = (weakref.ref(value), value._version, StoredTensor(unit, sample, path))
+            stored.remember(value, StoredTensor(unit, sample, path))
             return value
 
         shared = [map_state(s, lambda v, path, i=i: share(v, i, path)) for i, s in enumerate(states)]
@@ -253,7 +239,7 @@ class ResumeState:
         the tensors taken are read); the registry then holds its tensors, so the next file refers to them."""
         kept = self._read(rank, unit)
         earlier: dict[int, dict[str, Any]] = {}
-        stored: dict[int, tuple[weakref.ref, int, StoredTensor]] = {}
+        stored = TensorOrigins()
 
         def resolve(value: torch.Tensor | StoredTensor, sample: int, path: tuple[Any, ...]) -> torch.Tensor:
             where = value if isinstance(value, StoredTensor) else StoredTensor(unit, sample, path)
@@ -263,7 +249,7 @@ class ResumeState:
                 value = earlier[value.unit]["states"][value.sample]
                 for key in where.path:
                     value = value[key]
-            stored[id(value)] = (weakref.ref(value), value._version, where)
+            stored.remember(value, where)
             return value
 
         kept["states"] = [map_state(s, lambda v, path, i=i: resolve(v, i, path), (torch.Tensor, StoredTensor))

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,37 @@ def referable(used: int, size: int) -> bool:
     return size - used <= max(3 * used, 1 << 20)
 
 
+class TensorOrigins:
+    """Which earlier file holds a tensor: the same tensor object, at the version it had when that file was written or
+    read back, is the tensor in that file (`where`: its place there). Weak references, so it never keeps a replaced
+    state alive. The spill and the resumable state refer to earlier files through it."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref, int, Any]] = {}
+
+    def remember(self, value: torch.Tensor, where: Any) -> None:
+        self._known[id(value)] = (weakref.ref(value), value._version, where)
+
+    def where(self, value: torch.Tensor) -> Any | None:
+        known = self._known.get(id(value))
+        return known[2] if known is not None and known[0]() is value and known[1] == value._version else None
+
+    def drop_dead(self) -> None:
+        self._known = {key: known for key, known in self._known.items() if known[0]() is not None}
+
+    def referable_files(self, states: list[Any], file_of: Callable[[Any], Any], size: Callable[[Any], int]) -> set:
+        """The earlier files (`file_of(where)`) that hold tensors of `states` and are `referable` for them."""
+        used: dict[Any, int] = {}
+
+        def count(value: torch.Tensor, _keys: tuple[Any, ...]) -> None:
+            if (where := self.where(value)) is not None:
+                used[file_of(where)] = used.get(file_of(where), 0) + value.numel() * value.element_size()
+
+        for state in states:
+            map_state(state, count)
+        return {file for file, n in used.items() if referable(n, size(file))}
+
+
 def host_budget(local_ranks: int) -> int:
     """Bytes of samples' state one rank keeps in host memory."""
     value = os.environ.get(BUDGET_ENV)
@@ -138,9 +170,7 @@ class StateSpill:
     def __init__(self, folder: Path, budget: int) -> None:
         self.folder = folder
         self.budget = budget
-        # the tensors of the spilled states read back, by id: (a weak reference, its version, where it is kept,
-        # the bytes of that file); weak, so the registry never keeps a replaced state alive
-        self._origin: dict[int, tuple[weakref.ref, int, SpillRef, int]] = {}
+        self._origins = TensorOrigins()  # the tensors of the spilled states read back: their SpillRefs
 
     def unit_folder(self, unit: int) -> Path:
         return self.folder / f"unit{unit:05d}"
@@ -150,9 +180,8 @@ class StateSpill:
         tensor remembered with the file that holds it."""
         if not isinstance(state, Spilled):
             return state
-        self._origin = {key: known for key, known in self._origin.items() if known[0]() is not None}
+        self._origins.drop_dead()
         earlier: dict[str, Any] = {}
-        sizes = {state.path: state.bytes, **dict(state.refers)}
 
         def resolve(value: torch.Tensor | SpillRef, keys: tuple[Any, ...]) -> torch.Tensor:
             where = value if isinstance(value, SpillRef) else SpillRef(state.path, keys)
@@ -162,7 +191,7 @@ class StateSpill:
                 value = earlier[value.path]
                 for key in where.keys:
                     value = value[key]
-            self._origin[id(value)] = (weakref.ref(value), value._version, where, sizes[where.path])
+            self._origins.remember(value, where)
             return value
 
         return map_state(_read(state.path), resolve, (torch.Tensor, SpillRef))
@@ -176,27 +205,16 @@ class StateSpill:
         folder = self.unit_folder(unit)
         folder.mkdir(parents=True, exist_ok=True)
 
-        def origin(value: torch.Tensor) -> tuple[SpillRef, int] | None:
-            known = self._origin.get(id(value))
-            return known[2:] if known is not None and known[0]() is value and known[1] == value._version else None
-
-        shared: dict[str, list[int]] = {}  # origin file -> [bytes of this state in it, its bytes]
-
-        def count(value: torch.Tensor, _keys: tuple[Any, ...]) -> None:
-            if (where := origin(value)) is not None:
-                shared.setdefault(where[0].path, [0, where[1]])[0] += value.numel() * value.element_size()
-
-        map_state(state, count)
-        refers = {path: size for path, (used, size) in shared.items() if referable(used, size)}
+        refers = self._origins.referable_files([state], lambda where: where.path, os.path.getsize)
 
         def share(value: torch.Tensor, _keys: tuple[Any, ...]) -> Any:
-            where = origin(value)
-            return where[0] if where is not None and where[0].path in refers else value
+            where = self._origins.where(value)
+            return where if where is not None and where.path in refers else value
 
         path = folder / f"{index:06d}.pt"
         save_without_crc(map_state(state, share), path)
         self._note_refers(folder, {Path(p).parent.name for p in refers})
-        return Spilled(str(path), path.stat().st_size, tuple(refers.items()))
+        return Spilled(str(path), path.stat().st_size, tuple((p, os.path.getsize(p)) for p in sorted(refers)))
 
     def _note_refers(self, folder: Path, names: set[str]) -> None:
         listed = folder / "refers.json"
