@@ -8,6 +8,7 @@ import shutil
 import stat
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 from msmodelslim.errors import ResumableError, UserError
 
@@ -50,7 +51,31 @@ def file_checksum(path: Path) -> str:
     with open(path, "rb") as f:
         while block := f.read(16 << 20):
             crc = zlib.crc32(block, crc)
+    return _crc_text(crc)
+
+
+def _crc_text(crc: int) -> str:
     return f"crc32:{crc:08x}"
+
+
+class ChecksumWriter:
+    """A binary file being written that keeps the `file_checksum` of its bytes as they pass, so a file just written
+    is not read back for it (writing the resumable state then costs its save alone)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._crc = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._crc = zlib.crc32(data, self._crc)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    @property
+    def checksum(self) -> str:
+        return _crc_text(self._crc)
 
 
 DISK_FULL_BYTES = 64 << 20  # less than this free after a failed write: the disk is the cause

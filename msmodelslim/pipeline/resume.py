@@ -17,10 +17,10 @@ process runs it), under `resume/`:
   `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, unless that
   would keep much more of that file than it uses (`spill.referable`). A Kimi-K3 unit then writes its new hidden
   state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
-- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the checksum (CRC-32, `files.file_checksum`) of
-  that file, of the files it refers to and of every shard the rank's savers had written by then. `--resume` checks
-  them all before any compute (a damaged file that is still a valid archive, a truncated shard) and refuses with
-  one line;
+- `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the checksum (CRC-32, `files.file_checksum`;
+  that file's taken as it is written) of that file, of the files it refers to and of every shard the rank's savers
+  had written by then. `--resume` checks them all before any compute (a damaged file that is still a valid
+  archive, a truncated shard) and refuses with one line;
 - the quantized tensors themselves are the savers' shards in the temporary output, written once: a saver closes
   its shard at the end of every unit, so a finished unit's tensors are on disk and nothing is written twice.
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from msmodelslim.core.files import file_checksum
+from msmodelslim.core.files import ChecksumWriter, file_checksum
 from msmodelslim.errors import UserError
 from msmodelslim.pipeline.spill import TensorOrigins, map_state, save_without_crc
 
@@ -145,10 +145,12 @@ class ResumeState:
         path = self._unit_path(rank, unit)
         tmp = path.with_name(path.name + ".tmp")
         states, refers = self._share_stored(rank, unit, state["states"])
-        save_without_crc({**state, "states": states}, tmp)
-        with open(tmp, "rb+") as f:
+        with open(tmp, "wb") as f:
+            written = ChecksumWriter(f)  # its checksum as it is written: not read back for it
+            save_without_crc({**state, "states": states}, written)
+            f.flush()
             os.fsync(f.fileno())
-        manifest = {"checksum": file_checksum(tmp), "shards": shards,
+        manifest = {"checksum": written.checksum, "shards": shards,
                     "refers": {str(u): self._manifest(rank, u)["checksum"] for u in sorted(refers)}}
         write_atomic(self._unit_path(rank, unit, ".json"), lambda p: p.write_text(json.dumps(manifest)))
         os.replace(tmp, path)

@@ -72,9 +72,9 @@ def _read(path: str) -> Any:
                         f"({' '.join(str(exc).split())[:120]}); discard the run with --fresh") from None
 
 
-def save_without_crc(obj: Any, path: Path | str) -> None:
-    """`torch.save` without the archive's CRC-32 of every record, which torch never checks on load (the resumable
-    state checks its files with `file_checksum`): 40 % of the save's time. The switch is process-wide; two threads
+def save_without_crc(obj: Any, path: Path | str | Any) -> None:
+    """`torch.save` (to a path or a binary file) without the archive's CRC-32 of every record, which torch never
+    checks on load (the resumable state checks its files with `file_checksum`): 40 % of the save's time. The switch is process-wide; two threads
     saving at once may leave it off, which changes no file torch reads."""
     try:
         from torch.utils.serialization import config

@@ -83,3 +83,21 @@ def test_a_damaged_file_that_a_kept_unit_refers_to_refuses_the_resume(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(UserError, match="unit00000.pt: its checksum differs"):
         ResumeState(tmp_path).verify(1, world_size=1)
+
+
+def test_the_checksum_recorded_with_a_unit_is_that_of_its_file_as_read_back(tmp_path):
+    """The unit file's checksum is taken as it is written (files.ChecksumWriter); reference: `file_checksum`, which
+    reads the finished file back (zlib's CRC-32), equal as text. The file loads memory-mapped with its tensors
+    exact."""
+    import json
+
+    from msmodelslim.core.files import file_checksum
+
+    state = ResumeState(tmp_path)
+    hidden = [torch.randn(3, 1000, 64).to(torch.bfloat16), torch.randn(2, 7)]
+    _keep(state, 0, [{"hidden_states": hidden[0], "input_ids": torch.arange(3000).view(3, 1000)},
+                     {"hidden_states": hidden[1]}])
+    path = state.root / "rank0" / "unit00000.pt"
+    assert json.loads(path.with_suffix(".json").read_text())["checksum"] == file_checksum(path)
+    loaded = torch.load(path, mmap=True, weights_only=False)["states"]
+    assert torch.equal(loaded[0]["hidden_states"], hidden[0]) and torch.equal(loaded[1]["hidden_states"], hidden[1])
