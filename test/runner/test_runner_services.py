@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.core.requests import Job, Jobs, Observe
+from msmodelslim.core.requests import Job, Jobs, Observe, Stats
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline import statistics
 from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
@@ -117,6 +117,27 @@ def test_a_hessian_does_not_depend_on_how_its_tokens_were_split_into_calls():
     assert all(torch.equal(hessians[0], h) for h in hessians[1:])
     ref = x.double().t() @ x.double()
     assert float((hessians[0] - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_rows_a_hessian_holds_until_a_chunk_fills_do_not_keep_their_whole_buffer_alive():
+    """A routed expert's rows are a view of all the micro-batch's routed tokens; a rarely routed expert holds rows
+    of many micro-batches before a chunk fills. What it holds must be its own rows only (storage bytes = the rows'
+    bytes), or every micro-batch's buffer stays alive (on the H100: 47.7 GiB at 1M tokens). The sums stay those of
+    the rows (reference: float64 X^T X, rel. 1e-6)."""
+    g = torch.Generator().manual_seed(4)
+    stat = statistics.Hessian(Observe(hessian=("a",)), {}, torch.device("cpu"))
+    seen = []
+    for _ in range(5):
+        batch = torch.randn(4000, 12, generator=g).to(torch.bfloat16).float()  # all routed tokens of a batch
+        stat.record("a", batch[10:13])  # this expert's 3 rows
+        seen.append(batch[10:13].clone())
+        del batch
+    held = stat.pending["a"]
+    assert sum(t.untyped_storage().nbytes() for t in held) == 5 * 3 * 12 * 4
+    stats = Stats()
+    stat.finish({"a": nn.Linear(12, 5)}, SINGLE, lambda n: False, stats)
+    x = torch.cat(seen).double()
+    assert float((stats.hessian["a"] - x.t() @ x).norm() / (x.t() @ x).norm()) < 1e-6
 
 
 def test_a_wide_hessian_sums_its_upper_strips_and_mirrors_them():
