@@ -284,7 +284,9 @@ class LayerWiseRunner:
                 release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
                 self.stats.add("save", time.perf_counter() - t0)
                 if self.resume is not None and ((i + 1) % self.resume_every == 0 or i + 1 == len(units)):
-                    self._keep_state(i, states)
+                    # after the last unit no unit reads the samples' states: a resume there only finishes the
+                    # output (Kimi-K3 at 1M tokens: ~30 GB per rank written and waited for, for nothing)
+                    self._keep_state(i, states if i + 1 < len(units) else [])
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
             t0 = time.perf_counter()

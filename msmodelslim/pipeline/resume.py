@@ -7,8 +7,8 @@ process runs it), under `resume/`:
 - `fingerprint.json`: what the state belongs to (the source's config and index hashes, the practice's bytes, the
   toolkit version, the device type and the rank count); `--resume` refuses state of another run;
 - `rank<r>/unit<k>.pt`, per rank after unit k (after every `spec.resume_every`-th unit and the last): the
-  calibration state entering unit k + 1 (hidden states, attention residual blocks, MTP inputs), the savers' and
-  the processors' state. Written to a temporary name, fsynced,
+  calibration state entering unit k + 1 (hidden states, attention residual blocks, MTP inputs; none after the last
+  unit, which nothing follows), the savers' and the processors' state. Written to a temporary name, fsynced,
   renamed, the folder fsynced: a file with its final name is complete. Written in the background while the next
   unit computes (pipeline/layer_wise.py). Each rank keeps its last three (ranks finish a unit in lock-step, so the
   slowest rank is at most one unit behind the fastest, and its write at most one more);

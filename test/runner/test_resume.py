@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from reliability.faults import other_weights
 from reliability.test_signals import MARKER_ENV, marked_processes
 
@@ -135,6 +136,8 @@ def test_a_failure_after_the_last_unit_resumes_to_the_uninterrupted_output(tiny_
             main(args)
     state = ResumeState(tmp_path / ".out.partial")
     assert state.resume_point(1) == 7  # vision, embed, 4 layers, head, mtp.0: every unit was done
+    # no unit follows the last one: its file keeps no samples' state (only the savers' and processors')
+    assert torch.load(state.root / "rank0" / "unit00007.pt", weights_only=False)["states"] == []
     assert main([*args, "--resume"]) == 0
     assert_same_files(reference("cpu"), save)
 
