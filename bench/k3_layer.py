@@ -100,6 +100,12 @@ def long_record_set(tokens: int, seq_len: int, images: bool = True) -> tuple[Pat
     return out, records
 
 
+def stage_peaks(run: dict) -> dict[str, float]:
+    """The most device memory each stage held (GiB), the largest first."""
+    peaks = run.get("peak_device_gb_by_stage", {})
+    return {k: round(v, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])}
+
+
 def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     """Runs at each calibration size T (after a warm-up), and the marginal cost per token between sizes; one
     variant per package tree and micro-batch size, side by side in the same sitting."""
@@ -139,13 +145,14 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                               "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
                               "peak_rss_gb": round(run["peak_rss_gb"], 2),
                               "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
-                                           and k not in ("runner_wall", "peak_rss_gb", "peak_device_gb")}}),
+                                           and k not in ("runner_wall", "peak_rss_gb", "peak_device_gb")},
+                              "peak_device_gb_by_stage": stage_peaks(run)}),
                   flush=True)
     summary = {}
     for name, runs in results.items():
         per_size = [{"tokens": r["tokens_requested"], "layer_s": round(r["runner_wall"], 1),
                      "peak_device_gb": round(r.get("peak_device_gb", 0.0), 2), "peak_rss_gb": round(r["peak_rss_gb"], 2),
-                     "passes": r.get("calibration_passes"),
+                     "passes": r.get("calibration_passes"), "peak_device_gb_by_stage": stage_peaks(r),
                      "stages_s": {k: round(v, 2) for k, v in r.items() if isinstance(v, float) and k not in
                                   ("runner_wall", "peak_rss_gb", "peak_device_gb")}} for r in runs]
         marginal = {}
@@ -228,7 +235,8 @@ def main() -> None:
                     "report_cost_pct_of_layer": round(100 * cost / median("without", "runner_wall"), 2),
                     "wall_overhead_pct_median": round(100 * (median("with", "runner_wall")
                                                              / median("without", "runner_wall") - 1), 2)}
-    meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb", "ascend_ops_checked", "calibration_passes")
+    meta = ("runner_wall", "world_size", "peak_rss_gb", "peak_device_gb", "peak_device_gb_by_stage",
+            "ascend_ops_checked", "calibration_passes")
     stages = {k: round(v, 2) for k, v in warm.items() if k not in meta}
     layer_s = warm["runner_wall"]  # the vision (1 tiny block), embed and head (vocab 4096) units take ~no time
     result = {
@@ -245,6 +253,7 @@ def main() -> None:
         "warm_stages_s": stages,
         "warm_layer_unit_s": round(layer_s, 1),
         "peak_device_gb": round(warm.get("peak_device_gb", 0.0), 2),
+        "peak_device_gb_by_stage": stage_peaks(warm),
         "peak_rss_gb": round(warm.get("peak_rss_gb", 0.0), 2),
         "projected_model_hours_per_rank": round(layer_s * args.layers / 3600, 2),
         "projected_peak_device_gb_per_rank": round(warm.get("peak_device_gb", 0.0), 2),

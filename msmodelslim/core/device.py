@@ -149,6 +149,14 @@ def peak_device_bytes(device: torch.device) -> int | None:
     return None
 
 
+def reset_peak_device_bytes(device: torch.device) -> None:
+    """Start `peak_device_bytes` over from what `device` holds now."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "npu":
+        torch.npu.reset_peak_memory_stats(device)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` (stage timings of an asynchronous device)."""
     if device.type == "cuda":

@@ -7,28 +7,30 @@ and every collective a processor needs, so processors are transforms and stay ra
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from msmodelslim.core.device import synchronize
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.pipeline.statistics import kinds_for
 from msmodelslim.processor.base import UnitContext
 
 
-def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float], None] | None = None,
+def run_processor(processor: Any, ctx: UnitContext,
+                  stage: Callable[[str], AbstractContextManager[Any]] | None = None,
                   following: Sequence[Any] = ()) -> None:
-    """Apply one processor to the unit, answering each request it yields. `timed(kind, seconds)` is told how long
-    each answer took (kind: observe, reduce, jobs), the device synchronized, so a run's profile shows where a
-    processor's time goes: calibration passes, collectives or its own heavy work. `following`: the processors that
-    run after it on this unit, whose `hessians_ahead` this processor's passes may gather."""
+    """Apply one processor to the unit, answering each request it yields. Each answer runs inside `stage(kind)`
+    (kind: observe, reduce, jobs), where the runner times it and records its device memory, so a run's statistics
+    show where a processor's time and memory go: calibration passes, collectives or its own heavy work.
+    `following`: the processors that run after it on this unit, whose `hessians_ahead` this processor's passes may
+    gather."""
     steps = processor.process_unit(ctx)
     if not inspect.isgenerator(steps):
         return
@@ -39,12 +41,9 @@ def run_processor(processor: Any, ctx: UnitContext, timed: Callable[[str, float]
         except StopIteration:
             return
         reply = None  # the processor has it: held here it would outlive what the processor frees (its Hessians)
-        start = time.perf_counter()
-        ahead = hessians_ahead(ctx, processor, following) if isinstance(request, Observe) else ()
-        reply = answer(ctx, request, ahead)
-        if timed is not None:
-            synchronize(ctx.device)
-            timed(type(request).__name__.lower(), time.perf_counter() - start)
+        with stage(type(request).__name__.lower()) if stage is not None else contextlib.nullcontext():
+            ahead = hessians_ahead(ctx, processor, following) if isinstance(request, Observe) else ()
+            reply = answer(ctx, request, ahead)
 
 
 def hessians_ahead(ctx: UnitContext, asking: Any, following: Sequence[Any]) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from msmodelslim.core import ascend_check
 from msmodelslim.core.calib import load_calib_records
-from msmodelslim.core.device import DeviceSpec, bind_device, peak_device_bytes
+from msmodelslim.core.device import DeviceSpec, bind_device
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.files import disk_full_error
 from msmodelslim.errors import RankLost, ResumableError, UserError
@@ -217,9 +217,9 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
                   "calibration_passes": dict(stats.passes),
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        peak = peak_device_bytes(device)
-        if peak is not None:
-            result["peak_device_gb"] = peak / 2**30
+        if stats.peak is not None:  # an accelerator: the most memory it held, over the run and per stage
+            result["peak_device_gb"] = stats.peak
+            result["peak_device_gb_by_stage"] = dict(stats.peaks)
         logger.info("rank %d finished in %.1f s (%s)", rank, result["runner_wall"],
                     ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())))
         if os.environ.get(STATS_ENV):

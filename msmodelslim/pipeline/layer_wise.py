@@ -15,10 +15,11 @@ a host budget the runner keeps it in files read back memory-mapped (pipeline/spi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,13 @@ from torch import nn
 from tqdm import tqdm
 
 from msmodelslim.core import ascend_check
-from msmodelslim.core.device import bind_device, release_cached_memory, synchronize
+from msmodelslim.core.device import (
+    bind_device,
+    peak_device_bytes,
+    release_cached_memory,
+    reset_peak_device_bytes,
+    synchronize,
+)
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.core.placement import to_host
@@ -55,9 +62,21 @@ class RunStats:
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     passes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # forwards over the samples, per unit
+    # the most device memory held (GiB) in each stage that is not made of others, and over the run (accelerators)
+    peaks: dict[str, float] = field(default_factory=dict)
+    peak: float | None = None
 
     def add(self, stage: str, seconds: float) -> None:
         self.seconds[stage] += seconds
+
+    def held(self, stage: str | None, peak_bytes: int | None) -> None:
+        """The device's peak since the last reset: within `stage`, or between stages (None)."""
+        if peak_bytes is None:
+            return
+        gib = peak_bytes / 2**30
+        self.peak = max(self.peak or 0.0, gib)
+        if stage is not None:
+            self.peaks[stage] = max(self.peaks.get(stage, 0.0), gib)
 
 
 class LayerWiseRunner:
@@ -92,6 +111,20 @@ class LayerWiseRunner:
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
         self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
         self._writing: Future | None = None
+
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[None]:
+        """Time a stage (the device synchronized at its end) and record the most device memory held in it. The
+        device keeps one peak counter: it starts over with each stage, and what came between two stages goes into
+        the run's peak."""
+        device = self.dist.device
+        self.stats.held(None, peak_device_bytes(device))
+        reset_peak_device_bytes(device)
+        start = time.perf_counter()
+        yield
+        synchronize(device)
+        self.stats.add(name, time.perf_counter() - start)
+        self.stats.held(name, peak_device_bytes(device))
 
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool, only: set[int] | None = None) -> list[dict[str, Any]]:
@@ -163,7 +196,6 @@ class LayerWiseRunner:
         unit computes while unit `index`'s file is written (the states are never changed in place, only replaced)
         and the runner waits only for the previous write, so a run spends on its resumable state what the disk
         cannot hide."""
-        t0 = time.perf_counter()
         self._wait_for_state()
         if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
             self.spill.drop_before(index, keep=set(self.resume.latest(self.dist.rank)))
@@ -180,7 +212,6 @@ class LayerWiseRunner:
             self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
         else:
             self.resume.save(self.dist.rank, index, snapshot, shards)
-        self.stats.add("resume_state", time.perf_counter() - t0)
 
     def _wait_for_state(self) -> None:
         """The write in flight, finished (its failure raised here)."""
@@ -224,10 +255,8 @@ class LayerWiseRunner:
 
         def load(i: int) -> Future | nn.Module:
             if pool is None:
-                t0 = time.perf_counter()
-                module = self.adapter.load_unit(units[i], device)
-                self.stats.add("load", time.perf_counter() - t0)
-                return module
+                with self._stage("load"):
+                    return self.adapter.load_unit(units[i], device)
             return pool.submit(load_in_thread, units[i])
 
         bar = tqdm(total=len(units), initial=first, desc="quantizing", unit="unit", disable=not self.dist.is_main,
@@ -238,9 +267,8 @@ class LayerWiseRunner:
                 if i < first:
                     continue
                 bar.set_postfix_str(unit.name)
-                t0 = time.perf_counter()
-                module = pending.result() if isinstance(pending, Future) else pending
-                self.stats.add("load", time.perf_counter() - t0)
+                with self._stage("load"):  # (in the background: the wait for it)
+                    module = pending.result() if isinstance(pending, Future) else pending
                 if i + 1 < len(units):
                     pending = load(i + 1)
 
@@ -253,45 +281,41 @@ class LayerWiseRunner:
                 for k, processor in enumerate(self.processors):
                     self._pass_kind = processor.name
                     t1 = time.perf_counter()
-                    run_processor(processor, ctx, timed=lambda kind, sec, p=processor.name:
-                                  self.stats.add(f"{kind}.{p}", sec),
+                    run_processor(processor, ctx, stage=lambda kind, p=processor.name: self._stage(f"{kind}.{p}"),
                                   following=self.processors[k + 1:])
                     self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
                 self.stats.add("process", time.perf_counter() - t0)
 
-                t0 = time.perf_counter()
-                watched = self.report.watch(module) if self.report is not None else []
-                self._position = i
-                self._pass_kind = "calibrate"
-                if i + 1 < len(units):
-                    states = self._run_samples(unit, module, states, keep=True)
-                    if self.spill is not None and self.resume is None:
-                        self.spill.drop_before(i)  # the inputs of this unit are needed no more
-                elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone, on its samples
-                    self._run_samples(unit, module, states, keep=False,
-                                      only=self.report.steps_observed(
-                                          self.steps if self.steps is not None else len(states)))
-                self.stats.add("calibrate", time.perf_counter() - t0)
+                with self._stage("calibrate"):
+                    watched = self.report.watch(module) if self.report is not None else []
+                    self._position = i
+                    self._pass_kind = "calibrate"
+                    if i + 1 < len(units):
+                        states = self._run_samples(unit, module, states, keep=True)
+                        if self.spill is not None and self.resume is None:
+                            self.spill.drop_before(i)  # the inputs of this unit are needed no more
+                    elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone
+                        self._run_samples(unit, module, states, keep=False,
+                                          only=self.report.steps_observed(
+                                              self.steps if self.steps is not None else len(states)))
                 if watched:
-                    t0 = time.perf_counter()
-                    self.report.finish_unit(unit, watched)
-                    self.stats.add("report", time.perf_counter() - t0)
+                    with self._stage("report"):
+                        self.report.finish_unit(unit, watched)
 
-                t0 = time.perf_counter()
-                for saver in self.savers:
-                    saver.save_unit(unit, module)
-                self.adapter.free_unit(unit, module)
-                release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
-                self.stats.add("save", time.perf_counter() - t0)
+                with self._stage("save"):
+                    for saver in self.savers:
+                        saver.save_unit(unit, module)
+                    self.adapter.free_unit(unit, module)
+                    release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
                 if self.resume is not None and ((i + 1) % self.resume_every == 0 or i + 1 == len(units)):
                     # after the last unit no unit reads the samples' states: a resume there only finishes the
                     # output (Kimi-K3 at 1M tokens: ~30 GB per rank written and waited for, for nothing)
-                    self._keep_state(i, states if i + 1 < len(units) else [])
+                    with self._stage("resume_state"):
+                        self._keep_state(i, states if i + 1 < len(units) else [])
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
-            t0 = time.perf_counter()
-            self._wait_for_state()
-            self.stats.add("resume_state", time.perf_counter() - t0)
+            with self._stage("resume_state"):
+                self._wait_for_state()
             if self.spill is not None and self.resume is None:
                 self.spill.close()  # (with resumable state the files go when it is dropped)
         finally:
@@ -307,22 +331,21 @@ class LayerWiseRunner:
         for processor in self.processors:
             metadata.update(processor.describe())
             extras.update(processor.extras())
-        t0 = time.perf_counter()
-        self.dist.barrier()
-        for saver in self.savers:
-            saver.finish_rank()
-        if self.report is not None:
-            self.report.finish_rank()
-        self.dist.barrier()  # every rank's part is on disk
-        if self.dist.is_main:
-            if self.resume is not None:
-                self.resume.invalidate()  # the merge renames the shards the state counts: it can resume no more
+        with self._stage("save"):
+            self.dist.barrier()
             for saver in self.savers:
-                saver.merge(metadata, extras)
+                saver.finish_rank()
             if self.report is not None:
-                self.report.merge()
-        self.dist.barrier()  # no rank returns before the output is complete
-        self.stats.add("save", time.perf_counter() - t0)
+                self.report.finish_rank()
+            self.dist.barrier()  # every rank's part is on disk
+            if self.dist.is_main:
+                if self.resume is not None:
+                    self.resume.invalidate()  # the merge renames the shards the state counts: it resumes no more
+                for saver in self.savers:
+                    saver.merge(metadata, extras)
+                if self.report is not None:
+                    self.report.merge()
+            self.dist.barrier()  # no rank returns before the output is complete
         return self.stats
 
 

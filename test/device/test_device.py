@@ -141,14 +141,16 @@ def test_npu_without_triton_is_a_user_error(fake_npu8, monkeypatch):
         parse_device("npu:0")
 
 
-def test_an_npu_rank_binds_its_device_and_turns_jit_compilation_off(fake_npu8, monkeypatch):
+def test_an_npu_rank_binds_its_device_turns_jit_compilation_off_and_reads_its_memory(fake_npu8, monkeypatch):
     calls = []
     npu = types.SimpleNamespace(set_device=lambda d: calls.append(("set_device", d)),
                                 set_compile_mode=lambda jit_compile: calls.append(("jit_compile", jit_compile)),
-                                max_memory_allocated=lambda d: 5 * 2**30, empty_cache=lambda: calls.append("empty"))
+                                max_memory_allocated=lambda d: 5 * 2**30, empty_cache=lambda: calls.append("empty"),
+                                reset_peak_memory_stats=lambda d: calls.append(("reset_peak", d)))
     monkeypatch.setattr(torch, "npu", npu, raising=False)  # what torch_npu registers on import
     device = types.SimpleNamespace(type="npu", index=3)  # torch.device("npu", 3) needs the real backend
     device_mod.bind_device(device)
     device_mod.release_cached_memory(device)
-    assert calls == [("set_device", device), ("jit_compile", False), "empty"]
+    device_mod.reset_peak_device_bytes(device)
+    assert calls == [("set_device", device), ("jit_compile", False), "empty", ("reset_peak", device)]
     assert device_mod.peak_device_bytes(device) == 5 * 2**30

@@ -209,16 +209,58 @@ def test_a_generator_processor_gets_its_answers():
     assert torch.equal(seen["jobs"]["j1"]["y"], torch.full((2,), 1.0))
 
 
-def test_each_answer_is_timed_by_its_request_kind():
-    """run_processor reports how long each answer took, by kind: one calibration pass, one job round."""
+def test_each_answer_runs_in_a_stage_named_by_its_request_kind():
+    """run_processor runs each answer inside the runner's stage for its kind (where it is timed and its device
+    memory recorded): one calibration pass, one job round; the pass's statistics are complete inside it."""
     class Asks:
         def process_unit(self, ctx):
-            yield Observe(absmax=("a",))
+            self.absmax = (yield Observe(absmax=("a",))).absmax["a"]
             yield Jobs(_jobs())
 
-    timed: list[tuple[str, float]] = []
-    run_processor(Asks(), context(two_readers(), [tokens()]), timed=lambda kind, s: timed.append((kind, s)))
-    assert [kind for kind, _ in timed] == ["observe", "jobs"] and all(s >= 0 for _, s in timed)
+    stages: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def stage(kind: str) -> Iterator[None]:
+        stages.append((kind, "start"))
+        yield
+        stages.append((kind, "end"))
+
+    asks = Asks()
+    run_processor(asks, context(two_readers(), [tokens()]), stage=stage)
+    assert stages == [("observe", "start"), ("observe", "end"), ("jobs", "start"), ("jobs", "end")]
+    assert torch.equal(asks.absmax, tokens().abs().amax(dim=0))
+
+
+def test_a_stage_records_the_device_memory_held_in_it_and_the_run_the_most_held_anywhere(monkeypatch):
+    """The device keeps one peak counter (here a fake with torch's semantics: the most held since the last reset);
+    each stage starts it over, so a stage's peak is its own, and what came before or between stages still counts
+    for the run's peak. Reference: the allocations made, in GiB."""
+    from msmodelslim.pipeline import layer_wise
+
+    class Counter:
+        held = peak = 0
+
+        def alloc(self, gib: int) -> None:
+            self.held += gib * 2**30
+            self.peak = max(self.peak, self.held)
+
+        def reset(self, _device) -> None:
+            self.peak = self.held
+
+    device = Counter()
+    monkeypatch.setattr(layer_wise, "peak_device_bytes", lambda _device: device.peak)
+    monkeypatch.setattr(layer_wise, "reset_peak_device_bytes", device.reset)
+    runner = layer_wise.LayerWiseRunner(adapter=None, processors=[], savers=[])
+    device.alloc(5), device.alloc(-5)  # before the first stage
+    with runner._stage("a"):
+        device.alloc(2), device.alloc(-2)
+    device.alloc(1)  # between stages, kept
+    with runner._stage("b"):
+        device.alloc(3), device.alloc(-3)
+    with runner._stage("a"):
+        pass
+    assert runner.stats.peaks == {"a": 2.0, "b": 4.0} and runner.stats.peak == 5.0
+    assert set(runner.stats.seconds) == {"a", "b"}
 
 
 def _jobs(calls: list | None = None) -> list[Job]:
