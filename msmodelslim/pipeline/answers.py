@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +23,7 @@ from msmodelslim.processor.base import UnitContext
 
 
 def run_processor(processor: Any, ctx: UnitContext,
-                  stage: Callable[[str], AbstractContextManager[Any]] | None = None,
+                  stage: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
                   following: Sequence[Any] = ()) -> None:
     """Apply one processor to the unit, answering each request it yields. Each answer runs inside `stage(kind)`
     (kind: observe, reduce, jobs), where the runner times it and records its device memory, so a run's statistics
