@@ -221,9 +221,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             result["peak_device_gb"] = stats.peak
             result["peak_device_gb_by_stage"] = dict(stats.peaks)
         top = max(stats.peaks.items(), key=lambda kv: kv[1], default=None)
+        peak = f"; peak device memory {stats.peak:.2f} GiB (its largest stage: {top[0]} {top[1]:.2f} GiB)" \
+            if top else ""
         logger.info("rank %d finished in %.1f s (%s)%s", rank, result["runner_wall"],
-                    ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())),
-                    f"; peak device memory {stats.peak:.2f} GiB (its largest stage: {top[0]} {top[1]:.2f} GiB)" if top else "")
+                    ", ".join(f"{k} {v:.1f} s" for k, v in sorted(stats.seconds.items())), peak)
         if os.environ.get(STATS_ENV):
             # Benchmarks read per-rank stage timings and memory from here.
             Path(f"{os.environ[STATS_ENV]}.rank{rank}").write_text(json.dumps(result))
