@@ -170,10 +170,10 @@ class ResumeState:
     def _manifest(self, rank: int, unit: int) -> dict[str, Any]:
         return json.loads(self._unit_path(rank, unit, ".json").read_text(encoding="utf-8"))
 
-    def _share_stored(self, rank: int, unit: int, states: list[Any]) -> tuple[list[Any], set[int]]:
+    def _share_stored(self, rank: int, unit: int, states: list[Any]) -> tuple[list[Any], dict[int, int]]:
         """`states` with every tensor already kept in an earlier file, unchanged, replaced by its `StoredTensor`
-        where that file is `referable`, and the units referred to; the registry then holds the tensors of these
-        states."""
+        where that file is `referable`, and the units referred to (with their files' sizes); the registry then
+        holds the tensors of these states."""
         refers = self._stored.referable_files(states, lambda where: where.unit,
                                               lambda u: self._unit_path(rank, u).stat().st_size)
         stored = TensorOrigins()

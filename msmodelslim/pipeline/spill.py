@@ -74,8 +74,8 @@ def _read(path: str) -> Any:
 
 def save_without_crc(obj: Any, path: Path | str | Any) -> None:
     """`torch.save` (to a path or a binary file) without the archive's CRC-32 of every record, which torch never
-    checks on load (the resumable state checks its files with `file_checksum`): 40 % of the save's time. The switch is process-wide; two threads
-    saving at once may leave it off, which changes no file torch reads."""
+    checks on load (the resumable state checks its files with `file_checksum`): 40 % of the save's time. The switch
+    is process-wide; two threads saving at once may leave it off, which changes no file torch reads."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch < 2.6 always computes it
@@ -136,8 +136,10 @@ class TensorOrigins:
     def drop_dead(self) -> None:
         self._known = {key: known for key, known in self._known.items() if known[0]() is not None}
 
-    def referable_files(self, states: list[Any], file_of: Callable[[Any], Any], size: Callable[[Any], int]) -> set:
-        """The earlier files (`file_of(where)`) that hold tensors of `states` and are `referable` for them."""
+    def referable_files(self, states: list[Any], file_of: Callable[[Any], Any],
+                        size: Callable[[Any], int]) -> dict[Any, int]:
+        """The earlier files (`file_of(where)`) that hold tensors of `states` and are `referable` for them, with
+        their sizes."""
         used: dict[Any, int] = {}
 
         def count(value: torch.Tensor, _keys: tuple[Any, ...]) -> None:
@@ -146,7 +148,8 @@ class TensorOrigins:
 
         for state in states:
             map_state(state, count)
-        return {file for file, n in used.items() if referable(n, size(file))}
+        sizes = {file: size(file) for file in used}
+        return {file: sizes[file] for file, n in used.items() if referable(n, sizes[file])}
 
 
 def host_budget(local_ranks: int) -> int:
@@ -214,7 +217,7 @@ class StateSpill:
         path = folder / f"{index:06d}.pt"
         save_without_crc(map_state(state, share), path)
         self._note_refers(folder, {Path(p).parent.name for p in refers})
-        return Spilled(str(path), path.stat().st_size, tuple((p, os.path.getsize(p)) for p in sorted(refers)))
+        return Spilled(str(path), path.stat().st_size, tuple(sorted(refers.items())))
 
     def _note_refers(self, folder: Path, names: set[str]) -> None:
         listed = folder / "refers.json"
