@@ -43,7 +43,7 @@ from msmodelslim.eval.perplexity import make_windows, tokenize  # noqa: E402
 from msmodelslim.model.registry import resolve_model_type  # noqa: E402
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner  # noqa: E402
 from msmodelslim.processor.base import Processor  # noqa: E402
-from msmodelslim.processor.iter_smooth import SEARCH_ALPHAS, modelled_error, smooth_scale  # noqa: E402
+from msmodelslim.processor.iter_smooth import SEARCH_ALPHAS, error_parts, modelled_errors, smooth_scale  # noqa: E402
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor  # noqa: E402
 from msmodelslim.quant.functional import fake_quant_per_token, minmax_scale  # noqa: E402
 from msmodelslim.quant.gptq import gptq_quantize  # noqa: E402
@@ -133,10 +133,8 @@ def searched_scale(x_cal: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tup
     """iter_smooth's search on one reader: no smoothing or the alpha of least modelled error (W4A8)."""
     x_max, w_max = x_cal.abs().amax(0).double(), w.abs().amax(0).double()
     candidates = [torch.ones_like(x_max)] + [smooth_scale(x_max, w_max, a, 1e-5) for a in SEARCH_ALPHAS]
-    errors = []
-    for s in candidates:
-        token_range = float((x_cal.double().abs() / s).amax(-1).square().sum())
-        errors.append(modelled_error(w, s, h, token_range, int4, int8))
+    ranges = torch.tensor([float((x_cal.double().abs() / s).amax(-1).square().sum()) for s in candidates])
+    errors = modelled_errors(error_parts(w, candidates, h, int4), ranges, int8).tolist()
     best = min(range(len(errors)), key=errors.__getitem__)
     return candidates[best], None if best == 0 else SEARCH_ALPHAS[best - 1]
 

@@ -177,7 +177,8 @@ def release_cached_memory(device: torch.device) -> None:
 def tensor_core_fp32_matmuls(device: torch.device, enabled: bool = True) -> Iterator[None]:
     """Let fp32 matmuls use TF32 (CUDA) / HF32 (Ascend) tensor cores inside the block. For inputs the reduced format
     holds exactly: it keeps 10 mantissa bits, more than bf16's 7 (KDA's 16-bit inputs, the Hessians' 8-bit
-    digits); the products then accumulate in fp32."""
+    digits); the products then accumulate in fp32. Or for sums that only rank or report, where ~1e-3 relative is
+    enough (the smoothing search's error model, the report's weight error)."""
     if device.type == "cuda":
         flags = torch.backends.cuda.matmul
         name, value = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") else ("allow_tf32", True)

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.device import tensor_core_fp32_matmuls
+from msmodelslim.core.placement import HOST, host_section
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import FLOAT
@@ -106,18 +108,36 @@ def rescale_hessians(hessians: dict[str, torch.Tensor], readers: Sequence[str], 
         hessians[name] = done[id(h)]
 
 
-def modelled_error(weight: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor, token_range: float,
-                   w_bits: Any, a_bits: Any) -> float:
-    """Quantized output error of one reader after smoothing by s (module docstring): weight part through the
-    Hessian plus the per-token activation rounding noise, in float32 on the device (it only ranks candidates;
-    the same inputs give the same bits on every rank)."""
+def error_parts(weight: torch.Tensor, candidates: Sequence[torch.Tensor], hessian: torch.Tensor,
+                w_bits: Any) -> torch.Tensor:
+    """Per candidate smoothing s, the two sums of one reader's modelled error (module docstring), float32 [C, 2]
+    on the device: the weight part through the Hessian and the smoothed weight's sum of squares, which the
+    activation part scales (`modelled_errors`). They only rank candidates, so the product through the Hessian takes
+    the tensor cores' float32 (TF32 / HF32: ~1e-3 relative, 3x faster than float32 on the H100, bench/quant_jobs.py;
+    a candidate it ranks differently is one within that of the best, as good by the model), and the same inputs give
+    the same bits on every rank. Nothing is read back, so the device runs the candidates back to back."""
     work = torch.float32
-    ws = weight.to(work) * s.to(weight.device, work)
-    scale = minmax_scale(ws, w_bits, PerChannel())
-    m = (quantize_with_scale(ws, scale, w_bits).to(work) * scale - ws) / s.to(ws.device, work)
-    weight_part = float(((m @ hessian.to(m.device, work)) * m).sum())
-    act_part = float(ws.square().sum()) * token_range / (12.0 * a_bits.qmax ** 2)
-    return weight_part + act_part
+    w = weight.to(work)
+    h = hessian.to(w.device, work)
+    parts = []
+    for s in candidates:
+        s = s.to(w.device, work)
+        ws = w * s
+        scale = minmax_scale(ws, w_bits, PerChannel())
+        m = (quantize_with_scale(ws, scale, w_bits).to(work) * scale - ws) / s
+        with tensor_core_fp32_matmuls(w.device):
+            through = m @ h
+        parts.append(torch.stack([(through * m).sum(), ws.square().sum()]))
+    return torch.stack(parts)
+
+
+def modelled_errors(parts: torch.Tensor, token_ranges: torch.Tensor, a_bits: Any) -> torch.Tensor:
+    """The modelled errors (float64 [..., C], on the host) of `error_parts` [..., C, 2] and each candidate's token
+    range [..., C]: the weight part plus the per-token activation rounding noise, in float64 on the host (an NPU
+    has no float64 arithmetic)."""
+    with host_section("float64 sums of the smoothing search's errors (no float64 arithmetic on an NPU)"):
+        parts, ranges = parts.to(HOST, torch.float64), token_ranges.to(HOST, torch.float64)
+        return parts[..., 0] + parts[..., 1] * ranges / (12.0 * a_bits.qmax ** 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,9 +356,12 @@ class IterSmoothProcessor(Processor):
 
 def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """{"errors": [reader, candidate]} of the modelled error (rows: weight, scheme, Hessian, token ranges)."""
-    errors = [[modelled_error(w, s, h, float(r[c]), scheme.weight, scheme.act) for c, s in enumerate(candidates)]
-              for w, scheme, h, r in rows]
-    return {"errors": torch.tensor(errors, dtype=torch.float32).reshape(len(rows), len(candidates))}
+    if not rows:
+        return {"errors": torch.zeros(0, len(candidates))}
+    parts = torch.stack([error_parts(w, candidates, h, scheme.weight) for w, scheme, h, _ in rows]).to(HOST)
+    with host_section("float64 sums of the smoothing search's errors (no float64 arithmetic on an NPU)"):
+        errors = [modelled_errors(p, r, scheme.act) for p, (_, scheme, _, r) in zip(parts, rows, strict=True)]
+        return {"errors": torch.stack(errors).float()}
 
 
 def _every_token(stats: Stats, name: str) -> torch.Tensor:

@@ -59,9 +59,9 @@ from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, 
 from msmodelslim.processor.globs import matching, selected
 from msmodelslim.quant.gptq import GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
-from msmodelslim.quant.modules import QuantLinear, QuantScheme, quantize_weight, scheme_for
+from msmodelslim.quant.modules import QuantLinear, QuantScheme, dequantize_weight, quantize_weight, scheme_for
 from msmodelslim.quant.mx import MX_FORMATS, decode_weight, mx_format
-from msmodelslim.quant.sensitivity import weight_error
+from msmodelslim.quant.sensitivity import hessian_error, weight_error
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +191,10 @@ def _parked(hessians: dict[str, torch.Tensor], device: torch.device) -> dict[str
     """The Hessians in host memory until their GPTQ batch takes them back to the device (`_quantize`): a rank's
     112 routed experts' are ~10 GB at Kimi-K3's widths, held beside the weights, the quantized results and GPTQ's
     temporaries while the jobs run, which set the layer's device peak (34.6 GiB on the H200 with GPTQ, 18.2 without;
-    BENCHMARKS.md, issue 31). The copies are exact; on an accelerator they cost the Hessians' bytes to the host once and
-    back twice (the GPTQ batch, the report's weight error): ~30 GB a layer, about a second at ~25 GB/s. Readers of
-    one input keep sharing one object."""
+    BENCHMARKS.md, issue 31). The copies are exact; on an accelerator they cost the Hessians' bytes to the host and back
+    once (the GPTQ batch, which also sums the report's weight error): 0.2 s each way for a layer's 10 GB on the H100,
+    once the run's first layer has paid for pinning its host memory (6 s; torch keeps pinned memory for reuse,
+    bench/quant_jobs.py). Readers of one input keep sharing one object."""
     if device.type == "cpu":
         return hessians
     copies: dict[int, torch.Tensor] = {}
@@ -281,30 +282,21 @@ class LinearQuantProcessor(Processor):
             hessians = _parked(hessians, ctx.device)
             del stats  # with a parked copy, the device Hessians go now, not after the jobs
         results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
+        hessians.clear()  # the jobs were their last readers (a layer's Hessians can be tens of GB at full scale)
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
         quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
-        # readers of one Hessian one after another: each parked Hessian comes back to the device once
-        readers: dict[int, list[str]] = {}
-        for name in quantized:
-            readers.setdefault(id(hessians.get(name)), []).append(name)
-        on_device: tuple[int, torch.Tensor | None] = (id(None), None)
-        for live_name in (name for names in readers.values() for name in names):
-            q, scale = quantized[live_name]
-            h = hessians.get(live_name)
-            if h is not None and on_device[0] != id(h):
-                on_device = (id(h), h.to(ctx.device))
+        for live_name, (q, scale) in quantized.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
             linear = parent.get_submodule(child)
             # the group size said, not read off the scales: a linear as wide as one group is per group too
             quant = QuantLinear.from_linear(linear, scheme, quantized=(q, scale),
                                             group_size=None if live_name in native else weight_cfg.group_size)
-            # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had
+            # the report's weight half (quant/sensitivity.py): exact with the Hessian GPTQ had, summed in its job
             method = "checkpoint" if live_name in native else weight_cfg.method  # kept MXFP4 bytes: no rounding
             quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,
-                                              None if h is None else on_device[1], tokens.get(live_name))
+                                              merged.get(f"{live_name}.hessian_error"), tokens.get(live_name))
             setattr(parent, child, quant)
-        hessians.clear()  # a layer's Hessians can be tens of GB at full scale
         kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""
         logger.info("linear_quant %s (%s): %s quantized %d linears%s", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(quantized), kept)
@@ -352,6 +344,8 @@ class LinearQuantProcessor(Processor):
                 outputs = {}
                 for n in names:
                     outputs[f"{n}.q"], outputs[f"{n}.scale"] = q_spec, scale_spec
+                    if gptq:  # the report's exact weight error, summed where the Hessian is (`_quantize`)
+                        outputs[f"{n}.hessian_error"] = ((2,), torch.float32)
                 work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
                                [hessians.get(n) for n in names], [tokens.get(n) for n in names])
                 cost = len(names) * out_f * in_f * (in_f if gptq else 1)
@@ -387,10 +381,13 @@ class LinearQuantProcessor(Processor):
                                    hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index,
                                    group_size=weight_cfg.group_size)
         if len(weights) == 1:
-            q, scale = q[None], scale[None]
+            q, scale, h = q[None], scale[None], None if h is None else h[None]
         out = {}
         for i, name in enumerate(names):
             out[f"{name}.q"], out[f"{name}.scale"] = q[i], scale[i]
+            if h is not None:  # no host read: the sums stay on the device until the report's record reads them
+                w_hat = dequantize_weight(scheme, q[i], scale[i])
+                out[f"{name}.hessian_error"] = hessian_error(weights[i], w_hat, h[i if index is None else int(index[i])])
         return out
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from msmodelslim.core.device import tensor_core_fp32_matmuls
+
 
 @dataclass
 class WeightError:
@@ -54,21 +56,31 @@ def weight_statistics(w: torch.Tensor) -> tuple[float, float]:
     return float(centred.pow(4).mean() / var.square()), float(var.sqrt())
 
 
-def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian: torch.Tensor | None = None,
+def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """(tr(dW H dW^T), tr(W H W^T)) of quantizing `w` [out, in] to `w_hat` with the input Hessian H = X^T X
+    [in, in]: float32 [2] on w's device, nothing read back (GPTQ's job computes it where its Hessian is). A report's
+    number, so the products take the tensor cores' float32 (TF32 / HF32, ~1e-3 relative; exact float32 on a CPU)."""
+    wf = w.detach().float()
+    diff = w_hat.detach().float().to(wf.device) - wf
+    h = hessian.to(wf.device, torch.float32)
+    with tensor_core_fp32_matmuls(wf.device):
+        return torch.stack([((diff @ h) * diff).sum(), ((wf @ h) * wf).sum()])
+
+
+def weight_error(w: torch.Tensor, w_hat: torch.Tensor, method: str, hessian_sums: torch.Tensor | None = None,
                  hessian_tokens: int | None = None) -> WeightError:
-    """The report's record of quantizing `w` [out, in] to `w_hat` (the weight the engine multiplies by), with the
-    input Hessian X^T X [in, in] when the quantizer had one (then tr(dW H dW^T) / tr(W H W^T) exactly) and the
+    """The report's record of quantizing `w` [out, in] to `w_hat` (the weight the engine multiplies by), with
+    `hessian_error`'s sums when the quantizer had a Hessian (then tr(dW H dW^T) / tr(W H W^T) exactly) and the
     tokens it summed."""
     wf, qf = w.detach().float(), w_hat.detach().float().to(w.device)
     diff = qf - wf
     exact = None
-    if hessian is not None:
-        h = hessian.to(wf.device, torch.float32)
-        signal = float(((wf @ h) * wf).sum())
-        exact = float(((diff @ h) * diff).sum()) / signal if signal > 0 else None
+    if hessian_sums is not None:
+        error, signal = hessian_sums.tolist()
+        exact = error / signal if signal > 0 else None
     kurtosis, std = weight_statistics(wf)
     return WeightError(method, diff.square().sum(dim=0), qf.square().sum(dim=0), exact, kurtosis, std,
-                       None if hessian is None else hessian_tokens)
+                       None if hessian_sums is None else hessian_tokens)
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from msmodelslim.quant import QuantLinear
-from msmodelslim.quant.sensitivity import InputSums, report_entry, weight_error, weight_statistics
+from msmodelslim.quant.sensitivity import InputSums, hessian_error, report_entry, weight_error, weight_statistics
 
 
 def _measured(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
@@ -26,7 +26,7 @@ def test_weight_error_with_the_hessian_is_the_exact_output_error_of_the_weight()
     x = torch.randn(300, 64) * torch.linspace(0.1, 3, 64)
     w = torch.randn(32, 64)
     w_hat = w + 0.05 * torch.randn(32, 64)
-    got = weight_error(w, w_hat, "gptq", x.t() @ x).exact
+    got = weight_error(w, w_hat, "gptq", hessian_error(w, w_hat, x.t() @ x)).exact
     assert got == pytest.approx(_measured(x, w, x @ w_hat.t()), rel=1e-4)
 
 

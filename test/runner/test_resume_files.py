@@ -101,3 +101,22 @@ def test_the_checksum_recorded_with_a_unit_is_that_of_its_file_as_read_back(tmp_
     assert json.loads(path.with_suffix(".json").read_text())["checksum"] == file_checksum(path)
     loaded = torch.load(path, mmap=True, weights_only=False)["states"]
     assert torch.equal(loaded[0]["hidden_states"], hidden[0]) and torch.equal(loaded[1]["hidden_states"], hidden[1])
+
+
+def test_a_shards_checksum_from_memory_is_that_of_the_file_as_read_back(tmp_path):
+    """The saver's shards are checksummed from the tensors in memory and the file's header (files.
+    safetensors_checksum), not read back; reference: `file_checksum` of the written file, equal as text, for
+    tensors of every element size the saver writes (bf16, int8 packed int4, float32 scales, a 0-d and an empty one)
+    in an order the file does not keep (safetensors sorts them)."""
+    from safetensors.torch import save_file
+
+    from msmodelslim.core.files import file_checksum, safetensors_checksum
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"z.weight": torch.randn(96, 64, generator=g).to(torch.bfloat16),
+               "a.weight": torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8),
+               "m.weight_scale": torch.rand(48, 1, generator=g), "b.scalar": torch.tensor(3.5),
+               "c.empty": torch.zeros(0, 4)}
+    path = tmp_path / "shard.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert safetensors_checksum(path, tensors) == file_checksum(path)

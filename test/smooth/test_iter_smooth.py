@@ -108,7 +108,7 @@ def test_modelled_weight_error_is_the_output_error_on_the_calibration_tokens():
     """Without the activation part, the model's error is exactly ||(X / s) dW^T||^2 with dW the rounding error of
     W diag(s): the Hessian form (evaluated in float32, as on the device) against the tokens themselves in
     float64, rel 1e-6."""
-    from msmodelslim.processor.iter_smooth import modelled_error
+    from msmodelslim.processor.iter_smooth import error_parts, modelled_errors
     from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
     from msmodelslim.quant.granularity import PerChannel, int4, int8
 
@@ -120,7 +120,8 @@ def test_modelled_weight_error_is_the_output_error_on_the_calibration_tokens():
     scale = minmax_scale(ws, int4, PerChannel())
     dw = quantize_with_scale(ws, scale, int4).double() * scale - ws
     direct = float(((x / s) @ dw.t()).square().sum())
-    assert abs(modelled_error(w, s, x.t() @ x, 0.0, int4, int8) - direct) <= 1e-6 * direct
+    got = float(modelled_errors(error_parts(w, [s], x.t() @ x, int4), torch.zeros(1), int8)[0])
+    assert abs(got - direct) <= 1e-6 * direct
 
 
 def test_native_kimi_linear_logits_unchanged_by_smoothing_after_quarot():

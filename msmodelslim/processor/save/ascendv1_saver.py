@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from msmodelslim.core.files import file_checksum
+from msmodelslim.core.files import safetensors_checksum
 from msmodelslim.core.placement import HOST, host_section, on_host
 from msmodelslim.errors import UserError
 from msmodelslim.formats.ascendv1 import (
@@ -398,11 +399,16 @@ class AscendV1Saver(Saver):
         if not self._pending:
             return
         file = _TMP_SHARD.format(rank=self.dist.rank, part=len(self._files))
-        save_file(self._pending, str(self.work_dir / file), metadata={"format": "pt"})
-        with open(self.work_dir / file, "rb") as written:  # durable before a unit's state counts it as written
-            os.fsync(written.fileno())
+        path = self.work_dir / file
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        # durable before a unit's state counts it as written; the checksum is taken from memory meanwhile (both
+        # let go of the interpreter: a shard's fsync and its CRC cost about as much, ~1 s per GB each)
+        with open(path, "rb") as written, ThreadPoolExecutor(1) as pool:
+            durable = pool.submit(os.fsync, written.fileno())
+            checksum = safetensors_checksum(path, self._pending)
+            durable.result()
         self._files.append({"file": file, "names": sorted(self._pending), "bytes": self._pending_bytes,
-                            "checksum": file_checksum(self.work_dir / file)})
+                            "checksum": checksum})
         logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, file, len(self._pending),
                      self._pending_bytes / GIB)
         self._pending, self._pending_bytes = {}, 0

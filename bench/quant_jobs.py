@@ -1,0 +1,137 @@
+"""Where the fixed cost of a full-size Kimi-K3 layer's quantization jobs goes, on one device (issue 31).
+
+The cost of a layer that does not grow with the calibration tokens is mostly linear_quant's GPTQ jobs and
+iter_smooth's search (bench/k3_layer.py: 13.6 s and 6.7 s on the H100) and the Hessians' trip to the host and back
+(`linear_quant._parked`). This bench times their parts on one batch of routed experts as linear_quant batches them
+(`--experts` experts' w1 and w3, [--out, --width], one Hessian per expert of `--tokens` random tokens), each part
+synchronized, best of `--repeats`:
+
+- gptq: the diag(H)-weighted scale search, the inverse Cholesky factor, the column loop (the whole less the two);
+- the report's exact weight error of the batch: read back per linear (as the apply loop did) against one read of
+  all (as the job does now);
+- iter_smooth's modelled error of one reader for 8 candidate smoothings: read back per candidate (as before) against
+  one read, and with TF32 products (not used: it would change which candidate wins a near tie);
+- the Hessians of a whole rank's 112 experts (w1/w3's and w2's, ~10 GB) to the host and back: into pinned memory
+  (its first allocation, then again from torch's pinned cache), into pageable memory, and back from each.
+
+Usage: python bench/quant_jobs.py --device cuda:0 [--experts 20 --out 3072 --width 3584 --tokens 2048]
+Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, print_result  # noqa: E402
+from msmodelslim.core.device import synchronize  # noqa: E402
+from msmodelslim.core.placement import to_host  # noqa: E402
+from msmodelslim.processor.iter_smooth import error_parts  # noqa: E402
+from msmodelslim.quant.gptq import gptq_scale, inverse_cholesky_upper, shrunk_hessian  # noqa: E402
+from msmodelslim.quant.granularity import int4  # noqa: E402
+from msmodelslim.quant.modules import quantize_weight  # noqa: E402
+from msmodelslim.quant.sensitivity import hessian_error  # noqa: E402
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--experts", type=int, default=20, help="experts per GPTQ batch (w1 and w3 each: 2x matrices)")
+    p.add_argument("--out", type=int, default=3072)
+    p.add_argument("--width", type=int, default=3584)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--rank-experts", type=int, default=112, help="experts whose Hessians are parked")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    E, OUT, D, T = args.experts, args.out, args.width, args.tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(E, T, D, device=dev, generator=g)
+    hessian = x.transpose(1, 2) @ x
+    del x
+    w = torch.randn(2 * E, OUT, D, device=dev, generator=g).bfloat16()
+    index = torch.arange(E).repeat_interleave(2)
+    tokens = torch.full((E,), T)
+    r = args.repeats
+    result: dict = {"bench": "quant_jobs", "machine": machine(), "device": args.device,
+                    "shape": {"matrices": 2 * E, "out": OUT, "width": D, "tokens": T}}
+
+    scale_s, _ = timed(lambda: gptq_scale(w, hessian, int4, index), dev, r)
+    factor_s, _ = timed(lambda: inverse_cholesky_upper(shrunk_hessian(hessian, tokens)), dev, r)
+    whole_s, (q, scale) = timed(lambda: quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens,
+                                                        hessian_index=index), dev, r)
+    result["gptq_s"] = {"whole": round(whole_s, 3), "scale_search": round(scale_s, 3), "factor": round(factor_s, 3),
+                        "column_loop": round(whole_s - scale_s - factor_s, 3)}
+
+    w_hat = q.float() * scale
+
+    def per_linear() -> list[float]:  # as the apply loop did: each linear's Hessian on the device, two reads each
+        sums = []
+        for i in range(2 * E):
+            wf, h = w[i].float(), hessian[index[i]]
+            diff = w_hat[i] - wf
+            sums.append(float(((diff @ h) * diff).sum()) / float(((wf @ h) * wf).sum()))
+        return sums
+
+    per_linear_s, _ = timed(per_linear, dev, r)
+    in_job_s, _ = timed(lambda: torch.stack([hessian_error(w[i], w_hat[i], hessian[index[i]])
+                                             for i in range(2 * E)]).tolist(), dev, r)
+    result["weight_error_s"] = {"per_linear_reads": round(per_linear_s, 3), "in_job_one_read": round(in_job_s, 3)}
+
+    candidates = [torch.rand(D, device=dev, generator=g) + 0.5 for _ in range(8)]
+    calls_s, _ = timed(lambda: [float(error_parts(w[0], [s], hessian[0], int4)[0, 0]) for s in candidates], dev, r)
+    batched_s, _ = timed(lambda: error_parts(w[0], candidates, hessian[0], int4).tolist(), dev, r)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tf32_s, _ = timed(lambda: error_parts(w[0], candidates, hessian[0], int4).tolist(), dev, r)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result["smoothing_errors_s_per_reader"] = {"read_per_candidate": round(calls_s, 4),
+                                               "one_read": round(batched_s, 4), "one_read_tf32": round(tf32_s, 4)}
+
+    del q, scale
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    n = args.rank_experts
+    parked = [torch.randn(D, D, device=dev) for _ in range(n)] + [torch.randn(OUT, OUT, device=dev) for _ in range(n)]
+    gb = sum(t.numel() * 4 for t in parked) / 1e9
+    first_s, hosts = timed(lambda: [to_host(t) for t in parked], dev, 1)
+    del hosts
+    again_s, hosts = timed(lambda: [to_host(t) for t in parked], dev, 1)
+    back_pinned_s, _ = timed(lambda: [h.to(dev) for h in hosts], dev, 1)
+    del hosts
+    flat = sum(t.numel() for t in parked)
+
+    def one_block() -> list[torch.Tensor]:  # one pinned allocation for all, sliced
+        block = torch.empty(flat, pin_memory=dev.type == "cuda")
+        views, at = [], 0
+        for t in parked:
+            views.append(block[at:at + t.numel()].view(t.shape).copy_(t, non_blocking=True))
+            at += t.numel()
+        return views
+
+    one_block_s, hosts = timed(one_block, dev, 1)
+    del hosts
+    pageable_s, hosts = timed(lambda: [t.to("cpu") for t in parked], dev, 1)
+    back_pageable_s, _ = timed(lambda: [h.to(dev) for h in hosts], dev, 1)
+    result["park_s"] = {"gb": round(gb, 2), "pinned_first": round(first_s, 3), "pinned_cached": round(again_s, 3),
+                        "pinned_back": round(back_pinned_s, 3), "pinned_one_block": round(one_block_s, 3), "pageable": round(pageable_s, 3),
+                        "pageable_back": round(back_pageable_s, 3)}
+    print_result(result)
+
+
+if __name__ == "__main__":
+    main()
