@@ -145,89 +145,35 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         S = torch.gather(S, 1, perm[index][:, :, None].expand_as(S)) if perm is not None else S.contiguous()
     else:
         row_scale = scale.to(w.device, work).reshape(batch, 1, -1)
-    Qt = torch.empty(Wt.shape, dtype=torch.float16 if isinstance(dtype, MXFormat) else torch.int8, device=Wt.device)
+    mx = isinstance(dtype, MXFormat)
+    Qt = torch.empty(Wt.shape, dtype=torch.float16 if mx else torch.int8, device=Wt.device)
     Qb = torch.empty_like(Wt[:, :block_size])  # a block's integers, in float
     Err = torch.empty_like(Qb)
-    graph = None  # on CUDA, the loop of a full block once captured (`_BlockGraph`), after a first block ran eagerly
+    # Each column costs a fixed number of small kernels whatever the batch holds (seven: divide, round, clamp,
+    # multiply, subtract, scale, update; no temporaries), so the loop is launch-bound: fewer ops per column is time
+    # saved on every device, and more so under the Ascend check, which sees each op in Python. The per-column
+    # views are cut once per block (split / unbind) for the same reason.
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         n = end - start
+        W1 = Wt[:, start:end]
         Hb = Hinv[:, start:end, start:end][index]
+        diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
+        rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
         scales = S[:, start:end].split(1, dim=1) if per_column else [row_scale] * n
-        if graph is not None and n == block_size:
-            graph.run(Wt[:, start:end], Hb, S[:, start:end] if per_column else None)
-        else:
-            _column_block(Wt[:, start:end], Hb, scales, Qb, Err, dtype)
-            if start == 0 and n == block_size and cols > block_size and _graphs_on(Wt.device):
-                graph = _BlockGraph(Wt[:, :block_size], Hb, S[:, :block_size] if per_column else row_scale,
-                                    per_column, Qb, Err, dtype)
+        views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
+        for i, (col, q, err, s) in enumerate(views):
+            torch.div(col, s, out=q)
+            if mx:
+                q.copy_(round_to_elements(q, dtype))
+            else:
+                q.round_().clamp_(dtype.qmin, dtype.qmax)
+            torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers
+            err.div_(diag[i])
+            W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)
         Qt[:, start:end] = Qb[:, :n]
         Wt[:, end:].baddbmm_(Hinv[:, start:end, end:][index].transpose(1, 2), Err[:, :n], alpha=-1.0)  # no temporary
     Q = Qt.transpose(1, 2)
     if perm is not None:
         Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[index][:, None, :].expand_as(Q))
     return Q.contiguous()
-
-
-CUDA_GRAPHS = True  # replay a full block's column loop as one CUDA graph (bench/quant_jobs.py turns it off to compare)
-
-
-def _graphs_on(device: torch.device) -> bool:
-    return CUDA_GRAPHS and device.type == "cuda"
-
-
-def _column_block(W1: torch.Tensor, Hb: torch.Tensor, scales: list[torch.Tensor], Qb: torch.Tensor,
-                  Err: torch.Tensor, dtype: IntDtype | MXFormat) -> None:
-    """GPTQ's sequential solve of one block of columns, in place: W1 [B, n, out] (the block's columns as rows,
-    updated), Hb [B, n, n] (its part of the inverse factor), `scales` (n tensors [B, 1, out] or [B, 1, 1]); writes
-    the block's integers (in float) to Qb[:, :n] and its scaled errors to Err[:, :n].
-
-    Each column costs a fixed number of small kernels whatever the batch holds (seven: divide, round, clamp,
-    multiply, subtract, scale, update; no temporaries), so the loop is launch-bound: fewer ops per column is time
-    saved on every device, and more so under the Ascend check, which sees each op in Python. The per-column views are
-    cut once per block (split / unbind) for the same reason; on CUDA a full block is replayed as a graph."""
-    n = W1.shape[1]
-    mx = isinstance(dtype, MXFormat)
-    diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
-    rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
-    views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
-    for i, (col, q, err, s) in enumerate(views):
-        torch.div(col, s, out=q)
-        if mx:
-            q.copy_(round_to_elements(q, dtype))
-        else:
-            q.round_().clamp_(dtype.qmin, dtype.qmax)
-        torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers
-        err.div_(diag[i])
-        W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)
-
-
-class _BlockGraph:
-    """The column loop of a full block captured once as a CUDA graph over its own copies of the block's inputs, and
-    replayed for each later full block: ~900 kernels a block (at 128 columns) whose launches, not their arithmetic,
-    bound the loop (bench/quant_jobs.py). The same kernels in the same order as `_column_block` run eagerly: the
-    same bits. The block's columns need no copy back (nothing reads them after their block). Captured with the
-    graph's own calls, not `torch.cuda.graph`, which empties the allocator's cache at every capture."""
-
-    def __init__(self, W1: torch.Tensor, Hb: torch.Tensor, scale: torch.Tensor, per_column: bool, Qb: torch.Tensor,
-                 Err: torch.Tensor, dtype: IntDtype | MXFormat) -> None:
-        with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
-            self.W1, self.Hb = torch.empty_like(W1), torch.empty_like(Hb)
-            self.S = torch.empty_like(scale) if per_column else None  # per-column scales are the block's own
-            scales = self.S.split(1, dim=1) if per_column else [scale] * W1.shape[1]
-            self.graph = torch.cuda.CUDAGraph()
-            main, side = torch.cuda.current_stream(W1.device), torch.cuda.Stream(W1.device)
-            side.wait_stream(main)  # the copies above are done before the captured work reads them
-            with torch.cuda.stream(side):
-                self.graph.capture_begin()
-                _column_block(self.W1, self.Hb, scales, Qb, Err, dtype)
-                self.graph.capture_end()
-            main.wait_stream(side)
-
-    def run(self, W1: torch.Tensor, Hb: torch.Tensor, S: torch.Tensor | None) -> None:
-        with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
-            self.W1.copy_(W1)
-            self.Hb.copy_(Hb)
-            if self.S is not None:
-                self.S.copy_(S)
-            self.graph.replay()
