@@ -289,6 +289,33 @@ def test_on_the_cpu_gptq_batches_hold_gptq_batch_bytes_cpu_of_hessians_and_give_
         assert torch.equal(one_each[name][0], q) and torch.equal(one_each[name][1], scale), name
 
 
+def test_a_gptq_linears_report_weight_error_is_the_exact_output_error_on_its_calibration_inputs():
+    """The report's weight half of a GPTQ linear, summed in its job with the Hessian GPTQ had (batched experts and a
+    linear of its own alike), against ||X dW^T||^2 / ||X W^T||^2 on the linear's calibration inputs X in float64
+    (dW: the dequantized weight less the float one); tolerance 1e-4 relative (float32 sums on the CPU)."""
+    torch.manual_seed(0)
+    layer = Layer()
+    inputs = {n: torch.randn(64, m.in_features).bfloat16().float() for n, m in layer.named_modules()
+              if isinstance(m, nn.Linear)}
+    floats = {n: layer.get_submodule(n).weight.detach().double() for n in inputs}
+    unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+    ctx = UnitContext(unit=unit, module=layer, adapter=ToyAdapter(), dist=SINGLE,
+                      run_samples=lambda: [layer.get_submodule(n)(x) for n, x in inputs.items()])
+    run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*", "*q_proj"],
+                                                               exclude=["*shared_experts*"])), ctx)
+    checked = 0
+    for name, x in inputs.items():
+        quant = layer.get_submodule(name)
+        if not isinstance(quant, QuantLinear):
+            continue
+        xd, w = x.double(), floats[name]
+        dw = quant.dequantized_weight().double() - w
+        expected = float((xd @ dw.t()).square().sum() / (xd @ w.t()).square().sum())
+        assert quant.weight_error.exact == pytest.approx(expected, rel=1e-4), name
+        checked += 1
+    assert checked == 7  # six expert linears (batched by shape) and q_proj
+
+
 class LatentLayer(Layer):
     """Layer with a linear that reads the routed experts' outputs (Kimi-K3's latent up-projection)."""
 
