@@ -131,11 +131,14 @@ def error_parts(weight: torch.Tensor, candidates: Sequence[torch.Tensor], hessia
     return torch.stack(parts)
 
 
+_FLOAT64_SUMS = "float64 sums of the smoothing search's errors (no float64 arithmetic on an NPU)"
+
+
 def modelled_errors(parts: torch.Tensor, token_ranges: torch.Tensor, a_bits: Any) -> torch.Tensor:
     """The modelled errors (float64 [..., C], on the host) of `error_parts` [..., C, 2] and each candidate's token
     range [..., C]: the weight part plus the per-token activation rounding noise, in float64 on the host (an NPU
     has no float64 arithmetic)."""
-    with host_section("float64 sums of the smoothing search's errors (no float64 arithmetic on an NPU)"):
+    with host_section(_FLOAT64_SUMS):
         parts, ranges = parts.to(HOST, torch.float64), token_ranges.to(HOST, torch.float64)
         return parts[..., 0] + parts[..., 1] * ranges / (12.0 * a_bits.qmax ** 2)
 
@@ -359,7 +362,7 @@ def _candidate_errors(rows: list[tuple], candidates: list[torch.Tensor]) -> dict
     if not rows:
         return {"errors": torch.zeros(0, len(candidates))}
     parts = torch.stack([error_parts(w, candidates, h, scheme.weight) for w, scheme, h, _ in rows]).to(HOST)
-    with host_section("float64 sums of the smoothing search's errors (no float64 arithmetic on an NPU)"):
+    with host_section(_FLOAT64_SUMS):
         errors = [modelled_errors(p, r, scheme.act) for p, (_, scheme, _, r) in zip(parts, rows, strict=True)]
         return {"errors": torch.stack(errors).float()}
 
