@@ -209,10 +209,13 @@ def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit]
     for record in json.loads(RECORDS_FILE.read_text(encoding="utf-8"))["records"]:
         if (record["device_type"], record["hidden_size"], record["experts_per_rank"]) == \
                 (device_type, int(text.hidden_size), experts_per_rank):
-            seconds = record["seconds_per_decoder_unit"] * decoders
+            per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
+            seconds = per_unit * decoders
             return {"seconds": round(seconds), "hours": round(seconds / 3600, 2), "record": record,
-                    "assumes": f"{decoders} decoder and MTP units at the record's cost each; the record calibrated "
-                               f"{record['calibration_tokens']} tokens, this run {tokens}"}
+                    "assumes": f"{decoders} decoder and MTP units of {per_unit:.0f} s each at {tokens} calibration "
+                               f"tokens (the record: {record['seconds_fixed_per_decoder_unit']:g} s + "
+                               f"{record['ms_per_token_per_decoder_unit']:g} ms per token, on {record['device']}; an "
+                               f"upper bound)"}
     return {"seconds": None, "note": f"no benchmark record for {device_type} with hidden size {text.hidden_size} "
                                      f"and {experts_per_rank} experts per rank (plan_records.json)"}
 

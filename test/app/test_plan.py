@@ -204,3 +204,27 @@ def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compu
     with pytest.raises(UserError, match=rf"\${BUDGET_ENV}: expected a number of GiB >= 0, got '-1'"):
         plan(args)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_time_estimate_is_the_records_fixed_cost_plus_its_cost_per_token_per_decoder_unit():
+    """A model that matches a benchmark record (device type, hidden size, experts per rank): per decoder or MTP unit
+    the record's fixed seconds plus its milliseconds per calibration token times the run's tokens (reference: the
+    record in plan_records.json, computed here); other units cost nothing; 4x the tokens costs more. No match: no
+    number."""
+    from types import SimpleNamespace
+
+    from msmodelslim.app.plan import RECORDS_FILE, _time_estimate
+    from msmodelslim.model.base import Unit
+
+    record = json.loads(RECORDS_FILE.read_text())["records"][0]
+    adapter = SimpleNamespace(text_config=SimpleNamespace(hidden_size=record["hidden_size"],
+                                                          num_experts=8 * record["experts_per_rank"]))
+    units = [Unit(name="embed", kind="embed", prefix="", index=0)] + \
+        [Unit(name=f"layers.{i}", kind="decoder", prefix="", index=i + 1) for i in range(3)] + \
+        [Unit(name="layers.3", kind="mtp", prefix="", index=4)]
+    tokens = 262144
+    got = _time_estimate(adapter, record["device_type"], 8, units, tokens)
+    per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
+    assert got["seconds"] == round(4 * per_unit)
+    assert _time_estimate(adapter, record["device_type"], 8, units, 4 * tokens)["seconds"] > got["seconds"]
+    assert _time_estimate(adapter, "npu", 8, units, tokens)["seconds"] is None
