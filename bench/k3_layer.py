@@ -155,14 +155,17 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                      "passes": r.get("calibration_passes"), "peak_device_gb_by_stage": stage_peaks(r),
                      "stages_s": {k: round(v, 2) for k, v in r.items() if isinstance(v, float) and k not in
                                   ("runner_wall", "peak_rss_gb", "peak_device_gb")}} for r in runs]
-        marginal = {}
+        marginal, record = {}, {}
         if len(runs) > 1:
             first, last = runs[0], runs[-1]
             span = last["tokens_requested"] - first["tokens_requested"]
             marginal = {k: round(1000 * (last.get(k, 0.0) - first.get(k, 0.0)) / span, 4)
                         for k in last if isinstance(last[k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
+            per_token = (last["runner_wall"] - first["runner_wall"]) / span  # the layer as plan_records.json holds it
+            record = {"seconds_fixed_per_decoder_unit": round(first["runner_wall"] - per_token * first["tokens_requested"], 1),
+                      "ms_per_token_per_decoder_unit": round(1000 * per_token, 4)}
         largest = runs[-1]
-        summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal,
+        summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
                          "projected_model_hours_per_rank_at_largest": round(largest["runner_wall"] * args.layers / 3600, 2)}
     return summary
 
