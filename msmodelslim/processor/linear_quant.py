@@ -322,34 +322,40 @@ class LinearQuantProcessor(Processor):
 
     def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
               tokens: dict[str, int]) -> list[Job]:
-        """One job per linear, except for GPTQ: linears of one shape (a rank's experts; q/k/v) in batches of about
-        GPTQ_BATCH_BYTES of Hessians (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs
-        are spread over the ranks."""
+        """One job per linear, except for GPTQ: the linears that read one input (one Hessian object: an attention's
+        q/k/v/g/b/f_a, an expert's w1 and w3) are one matrix, their rows stacked, with one inverse factor and one
+        column loop; matrices of one shape (a rank's experts) go in batches of about GPTQ_BATCH_BYTES of Hessians
+        per linear (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs are spread over the
+        ranks."""
         gptq = self.config.qconfig.weight.method == "gptq"
-        groups: dict[tuple, list[list[str]]] = {}
-        for name, linear in linears.items():
-            shape = tuple(linear.weight.shape)
-            local = ctx.adapter.is_rank_local(name)
-            budget = GPTQ_BATCH_BYTES_CPU if linear.weight.device.type == "cpu" else GPTQ_BATCH_BYTES
-            per_batch = max(1, budget // (shape[1] * shape[1] * 4)) if gptq else 1
+        readers: dict[tuple, list[str]] = {}  # GPTQ: per input, its linears; else one linear each
+        for name in linears:
+            local, h = ctx.adapter.is_rank_local(name), hessians.get(name)
+            readers.setdefault((id(h), local) if gptq and h is not None else (name, local), []).append(name)
+        groups: dict[tuple, list[list[list[str]]]] = {}
+        for (_, local), members in readers.items():
+            first = linears[members[0]].weight
+            in_f = first.shape[1]
+            budget = GPTQ_BATCH_BYTES_CPU if first.device.type == "cpu" else GPTQ_BATCH_BYTES
+            per_batch = max(1, budget // (len(members) * in_f * in_f * 4)) if gptq else 1
+            shape = (sum(linears[n].weight.shape[0] for n in members), in_f)
             batches = groups.setdefault((shape, local), [[]])
             if len(batches[-1]) == per_batch:
                 batches.append([])
-            batches[-1].append(name)
+            batches[-1].append(members)
         jobs = []
-        for (shape, local), batches in groups.items():
-            out_f, in_f = shape
-            q_spec, scale_spec = self._output_specs(out_f, in_f)
-            for names in batches:
+        for ((rows, in_f), local), batches in groups.items():
+            for batch in batches:
                 outputs = {}
-                for n in names:
-                    outputs[f"{n}.q"], outputs[f"{n}.scale"] = q_spec, scale_spec
+                for n in (n for members in batch for n in members):
+                    outputs[f"{n}.q"], outputs[f"{n}.scale"] = self._output_specs(*linears[n].weight.shape)
                     if gptq:  # the report's exact weight error, summed where the Hessian is (`_quantize`)
                         outputs[f"{n}.hessian_error"] = ((2,), torch.float32)
-                work = partial(self._quantize, [linears[n].weight.detach() for n in names], names,
-                               [hessians.get(n) for n in names], [tokens.get(n) for n in names])
-                cost = len(names) * out_f * in_f * (in_f if gptq else 1)
-                jobs.append(Job(names[0], cost, work, outputs, local=local))
+                work = partial(self._quantize, [[linears[n].weight.detach() for n in members] for members in batch],
+                               batch, [hessians.get(members[0]) for members in batch],
+                               [tokens.get(members[0]) for members in batch])
+                cost = len(batch) * rows * in_f * (in_f if gptq else 1)
+                jobs.append(Job(batch[0][0], cost, work, outputs, local=local))
         return jobs
 
     def _output_specs(self, out_f: int, in_f: int) -> tuple[tuple, tuple]:
@@ -360,34 +366,33 @@ class LinearQuantProcessor(Processor):
             return ((out_f, in_f // packing), torch.uint8), ((out_f, in_f // 32), torch.uint8)
         return ((out_f, in_f), torch.int8), ((out_f, in_f // group if group else 1), torch.float32)
 
-    def _quantize(self, weights: list[torch.Tensor], names: list[str], hessians: list[torch.Tensor | None],
+    def _quantize(self, weights: list[list[torch.Tensor]], names: list[list[str]], hessians: list[torch.Tensor | None],
                   tokens: list[int | None]) -> dict[str, torch.Tensor]:
+        """Quantize a batch of matrices of one shape, each the rows of the linears `names[k]` stacked (readers of
+        one input, `hessians[k]`); returns each linear's integers and scales (and, with a Hessian, its
+        `hessian_error` sums)."""
         scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
-        index = None
-        if len(weights) == 1:
-            w, h, n = weights[0], hessians[0], tokens[0]
-            h = None if h is None else h.to(w.device)  # from the host, where it waited (`_parked`)
-        else:  # a batch of one shape: stacked, quantized by one batched GPTQ
-            w, h, n = torch.stack(weights), None, None
-            if hessians[0] is not None:  # readers of one input (w1, w3) hold one Hessian object: stacked once
-                first: dict[int, int] = {}  # id(Hessian) -> its first matrix in the batch
-                for i, m in enumerate(hessians):
-                    first.setdefault(id(m), i)
-                slot = {key: k for k, key in enumerate(first)}
-                index = torch.tensor([slot[id(m)] for m in hessians])
-                h = torch.stack([hessians[i].to(w.device) for i in first.values()])
-                n = torch.tensor([tokens[i] for i in first.values()])
+        mats = [torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]
+        single = len(mats) == 1
+        w = mats[0] if single else torch.stack(mats)  # a batch: quantized by one batched GPTQ
+        h, n = None, None
+        if hessians[0] is not None:  # from the host, where they waited (`_parked`)
+            h = hessians[0].to(w.device) if single else torch.stack([m.to(w.device) for m in hessians])
+            n = tokens[0] if single else torch.tensor(tokens)
         q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, hessian_index=index,
-                                   group_size=weight_cfg.group_size)
-        if len(weights) == 1:
+                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, group_size=weight_cfg.group_size)
+        if single:
             q, scale, h = q[None], scale[None], None if h is None else h[None]
         out = {}
-        for i, name in enumerate(names):
-            out[f"{name}.q"], out[f"{name}.scale"] = q[i], scale[i]
-            if h is not None:  # no host read: the sums stay on the device until the report's record reads them
-                w_hat = dequantize_weight(scheme, q[i], scale[i])
-                out[f"{name}.hessian_error"] = hessian_error(weights[i], w_hat, h[i if index is None else int(index[i])])
+        for k, members in enumerate(names):
+            start = 0
+            for name, weight in zip(members, weights[k], strict=True):
+                end = start + weight.shape[0]
+                out[f"{name}.q"], out[f"{name}.scale"] = q[k, start:end], scale[k, start:end]
+                if h is not None:  # no host read: the sums stay on the device until the report's record reads them
+                    w_hat = dequantize_weight(scheme, out[f"{name}.q"], out[f"{name}.scale"])
+                    out[f"{name}.hessian_error"] = hessian_error(weight, w_hat, h[k])
+                start = end
         return out
 
 

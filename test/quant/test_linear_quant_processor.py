@@ -255,6 +255,42 @@ def test_hessians_wait_on_the_host_during_the_jobs_and_give_the_same_weights(dev
         assert torch.equal(parked[name][0], q) and torch.equal(parked[name][1], scale), name
 
 
+def test_linears_that_read_one_input_are_one_gptq_matrix_and_get_the_integers_each_gets_alone(monkeypatch):
+    """q/k/v of different widths read one input, so they share one Hessian: GPTQ takes them as one matrix (their
+    rows stacked: one inverse factor, one column loop), o_proj alone. Reference: `quantize_weight` on each linear by
+    itself with that Hessian; tolerance: none (GPTQ treats rows independently)."""
+    from msmodelslim.quant.modules import quantize_weight
+
+    torch.manual_seed(0)
+    attn = nn.ModuleDict({"q_proj": nn.Linear(32, 24), "k_proj": nn.Linear(32, 8), "v_proj": nn.Linear(32, 8),
+                          "o_proj": nn.Linear(8, 32)})
+    layer = nn.Module()
+    layer.self_attn = attn
+    x, x_o = torch.randn(128, 32), torch.randn(128, 8)
+    floats = {n: m.weight.detach().clone() for n, m in attn.items()}
+    unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+    ctx = UnitContext(unit=unit, module=layer, adapter=ToyAdapter(), dist=SINGLE,
+                      run_samples=lambda: [attn[n](x) for n in ("q_proj", "k_proj", "v_proj")] + [attn.o_proj(x_o)])
+    problems, seen = [], {}
+    original = LinearQuantProcessor._quantize
+
+    def quantize(self, weights, names, hessians, tokens):
+        problems.extend(names)
+        seen.update({n: (h, t) for members, h, t in zip(names, hessians, tokens) for n in members})
+        return original(self, weights, names, hessians, tokens)
+
+    monkeypatch.setattr(LinearQuantProcessor, "_quantize", quantize)
+    config = LinearQuantConfig.build(qconfig={**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}})
+    run_processor(LinearQuantProcessor(config), ctx)
+    assert sorted(map(sorted, problems)) == [["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
+                                             ["self_attn.o_proj"]]
+    for name, w in floats.items():
+        h, tokens = seen[f"self_attn.{name}"]
+        q, scale = quantize_weight(w, config.scheme.weight, "gptq", scale_dtype=config.scheme.engine_scale_dtype,
+                                   hessian=h, tokens=tokens)
+        assert torch.equal(attn[name].qweight, q) and torch.equal(attn[name].weight_scale, scale), name
+
+
 def test_on_the_cpu_gptq_batches_hold_gptq_batch_bytes_cpu_of_hessians_and_give_the_same_weights(monkeypatch):
     """On the CPU, experts of one shape go through GPTQ in batches of about GPTQ_BATCH_BYTES_CPU of Hessians (a
     batch's temporaries take host memory and save no launches there). Reference: one batch for every expert;
