@@ -22,29 +22,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, machine, print_result, shrunken_practice  # noqa: E402
-from bench.k3_layer import EXPERTS_PER_RANK, TOPK_PER_RANK, long_record_set  # noqa: E402
+from bench.common import BENCH_OUT, ROOT, machine, print_result, shrunken_practice  # noqa: E402
+from bench.k3_layer import long_record_set  # noqa: E402
+from bench.launches import SHRUNK, shrunk_layer_checkpoint  # noqa: E402
 
 # the `layer` preset's widths / ~30 (hidden 7168 -> 256, KDA 96 x 128 -> 3 x 128, latent 3584 -> 128, experts 3072 ->
-# 96, two shared): every linear keeps its full-size shape class, the MXFP4 experts' inputs multiples of 32 (the MLA
-# widths are bench/launches.py's; the layer is KDA)
-DIV30 = {
-    "text_config.hidden_size": 256, "text_config.intermediate_size": 576, "text_config.vocab_size": 1024,
-    "text_config.linear_attn_config.num_heads": 3, "text_config.linear_attn_config.head_dim": 128,
-    "text_config.num_attention_heads": 2, "text_config.qk_nope_head_dim": 32, "text_config.qk_rope_head_dim": 16,
-    "text_config.v_head_dim": 32, "text_config.kv_lora_rank": 64, "text_config.q_lora_rank": 96,
-    "text_config.moe_intermediate_size": 96, "text_config.routed_expert_hidden_size": 128,
-    "text_config.num_experts": EXPERTS_PER_RANK, "text_config.num_experts_per_token": TOPK_PER_RANK,
-}
-
-
-def div30_layer_checkpoint() -> Path:
-    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank-div30"
-    if not (model / "model.safetensors.index.json").is_file():
-        sets = [arg for key, value in DIV30.items() for arg in ("--set", f"{key}={value}")]
-        subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model), *sets],
-                       check=True)
-    return model
+# 96, two shared): every linear keeps its full-size shape class, the MXFP4 experts' inputs multiples of 32 (the rest,
+# MLA's widths among them, are bench/launches.py's; the layer is KDA)
+DIV30 = {**SHRUNK, "text_config.hidden_size": 256, "text_config.intermediate_size": 576,
+         "text_config.linear_attn_config.num_heads": 3, "text_config.linear_attn_config.head_dim": 128,
+         "text_config.moe_intermediate_size": 96, "text_config.routed_expert_hidden_size": 128}
 
 CHILD = r"""
 import json, sys
@@ -80,7 +67,7 @@ def main() -> None:
     p.add_argument("--baseline-tree", type=Path, default=None)
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     args = p.parse_args()
-    model = div30_layer_checkpoint()
+    model = shrunk_layer_checkpoint(DIV30, "div30")
     folder, records = long_record_set(4096, 512)  # 8 records: one image+text
     practice = shrunken_practice(Path(args.practice), BENCH_OUT / "gptq_loops_practice.yaml", records, 512,
                                  dataset=folder)

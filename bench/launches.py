@@ -43,10 +43,11 @@ H200_KERNELS = {"calibrate": 69684, "iter_smooth": 53423, "linear_quant": 42376}
 _KIND = re.compile(r"^== (\S+): (\d+) passes, wall ([\d.]+) s, host operators ([\d.]+) s, (\d+) leaf operators")
 
 
-def shrunk_layer_checkpoint() -> Path:
-    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank-shrunk"
+def shrunk_layer_checkpoint(widths: dict = SHRUNK, name: str = "shrunk") -> Path:
+    """The `layer` preset as one rank of EP 8 holds it, with `widths` set, generated once into bench_out/."""
+    model = BENCH_OUT / f"Kimi-K3-layer-ep8-rank-{name}"
     if not (model / "model.safetensors.index.json").is_file():
-        sets = [arg for key, value in SHRUNK.items() for arg in ("--set", f"{key}={value}")]
+        sets = [arg for key, value in widths.items() for arg in ("--set", f"{key}={value}")]
         subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model), *sets],
                        check=True)
     return model
