@@ -37,8 +37,7 @@ g = torch.Generator().manual_seed(0)
 mix = torch.randn(D, D, generator=g) / D ** 0.5 + torch.eye(D)
 x = torch.randn(E, T, D, generator=g) @ mix
 hessian = x.transpose(1, 2) @ x                                  # one per expert (w1 and w3 read one input)
-w = torch.randn(2 * E, OUT, D, generator=g).bfloat16()            # [w1_0, w3_0, w1_1, w3_1, ...]
-index = torch.arange(2 * E) // 2
+w = torch.randn(E, 2 * OUT, D, generator=g).bfloat16()            # per expert its w1 and w3 rows, stacked
 tokens = torch.full((E,), T)
 
 
@@ -51,7 +50,7 @@ class Count(TorchDispatchMode):
 
 
 def run():
-    return quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens, hessian_index=index)
+    return quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens)
 
 
 with Count():

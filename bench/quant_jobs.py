@@ -3,7 +3,8 @@
 The cost of a layer that does not grow with the calibration tokens is mostly linear_quant's GPTQ jobs and
 iter_smooth's search (bench/k3_layer.py: 13.6 s and 6.7 s on the H100) and the Hessians' trip to the host and back
 (`linear_quant._parked`). This bench times their parts on one batch of routed experts as linear_quant batches them
-(`--experts` experts' w1 and w3, [--out, --width], one Hessian per expert of `--tokens` random tokens), each part
+(`--experts` experts, each its w1 and w3 [--out, --width] stacked, one Hessian per expert of `--tokens` random
+tokens), each part
 synchronized, best of `--repeats`:
 
 - gptq: the diag(H)-weighted scale search, the inverse Cholesky factor, the column loop (the whole less the two);
@@ -65,17 +66,15 @@ def main() -> None:
     x = torch.randn(E, T, D, device=dev, generator=g)
     hessian = x.transpose(1, 2) @ x
     del x
-    w = torch.randn(2 * E, OUT, D, device=dev, generator=g).bfloat16()
-    index = torch.arange(E).repeat_interleave(2)
+    w = torch.randn(E, 2 * OUT, D, device=dev, generator=g).bfloat16()  # per expert its w1 and w3 rows, stacked
     tokens = torch.full((E,), T)
     r = args.repeats
     result: dict = {"bench": "quant_jobs", "machine": machine(), "device": args.device,
-                    "shape": {"matrices": 2 * E, "out": OUT, "width": D, "tokens": T}}
+                    "shape": {"matrices": E, "rows": 2 * OUT, "width": D, "tokens": T}}
 
-    scale_s, _ = timed(lambda: gptq_scale(w, hessian, int4, index), dev, r)
+    scale_s, _ = timed(lambda: gptq_scale(w, hessian, int4), dev, r)
     factor_s, _ = timed(lambda: inverse_cholesky_upper(shrunk_hessian(hessian, tokens)), dev, r)
-    whole_s, (q, scale) = timed(lambda: quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens,
-                                                        hessian_index=index), dev, r)
+    whole_s, (q, scale) = timed(lambda: quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens), dev, r)
     result["gptq_s"] = {"whole": round(whole_s, 3), "scale_search": round(scale_s, 3), "factor": round(factor_s, 3),
                         "column_loop": round(whole_s - scale_s - factor_s, 3)}
 
@@ -83,15 +82,15 @@ def main() -> None:
 
     def per_linear() -> list[float]:  # as the apply loop did: each linear's Hessian on the device, two reads each
         sums = []
-        for i in range(2 * E):
-            wf, h = w[i].float(), hessian[index[i]]
+        for i in range(E):
+            wf, h = w[i].float(), hessian[i]
             diff = w_hat[i] - wf
             sums.append(float(((diff @ h) * diff).sum()) / float(((wf @ h) * wf).sum()))
         return sums
 
     per_linear_s, _ = timed(per_linear, dev, r)
-    in_job_s, _ = timed(lambda: torch.stack([hessian_error(w[i], w_hat[i], hessian[index[i]])
-                                             for i in range(2 * E)]).tolist(), dev, r)
+    in_job_s, _ = timed(lambda: torch.stack([hessian_error(w[i], w_hat[i], hessian[i]) for i in range(E)]).tolist(),
+                        dev, r)
     result["weight_error_s"] = {"per_linear_reads": round(per_linear_s, 3), "in_job_one_read": round(in_job_s, 3)}
 
     candidates = [torch.rand(D, device=dev, generator=g) + 0.5 for _ in range(8)]

@@ -36,19 +36,16 @@ class GPTQOptions:
 DEFAULT_GPTQ = GPTQOptions()
 
 
-def hessian_diagonals(hessian: torch.Tensor | None, index: torch.Tensor | None = None) -> torch.Tensor:
-    """diag(H) of each matrix's Hessian ([..., in]); with `index`, matrix b reads Hessian index[b] (only the
-    diagonals are gathered, not the matrices). GPTQ's scales and exponents are searched weighted by it."""
+def hessian_diagonals(hessian: torch.Tensor | None) -> torch.Tensor:
+    """diag(H) of each matrix's Hessian ([..., in]): GPTQ's scales and exponents are searched weighted by it."""
     if hessian is None:
         raise ValueError("weight method 'gptq' needs the input Hessian")
-    diag = torch.diagonal(hessian, dim1=-2, dim2=-1)
-    return diag if index is None else diag[index.to(diag.device)]
+    return torch.diagonal(hessian, dim1=-2, dim2=-1)
 
 
-def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype, index: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def gptq_scale(w: torch.Tensor, hessian: torch.Tensor, dtype: IntDtype) -> torch.Tensor:
     """The per-row scale GPTQ quantizes against: the diag(H)-weighted grid search ([..., out, 1])."""
-    return grid_scale_search(w, dtype, importance=hessian_diagonals(hessian, index))
+    return grid_scale_search(w, dtype, importance=hessian_diagonals(hessian))
 
 
 def shrunk_hessian(hessian: torch.Tensor, tokens: int | torch.Tensor | None) -> torch.Tensor:
@@ -96,16 +93,15 @@ def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, dtype: IntDtype | MXFormat,
-                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None,
-                  index: torch.Tensor | None = None) -> torch.Tensor:
+                  options: GPTQOptions = DEFAULT_GPTQ, tokens: int | torch.Tensor | None = None) -> torch.Tensor:
     """Integers q (torch.int8 [..., out, in]) for `w` against per-row `scale` [..., out, 1] (or one scale per
     weight, [..., out, in]: per-group scales repeated over their group), minimising
     tr(dW H dW^T) (H shrunk toward its diagonal when `tokens`, the rows it summed, is given).
 
-    Leading dims are a batch of independent matrices of one shape (a layer's routed experts): one column loop
-    runs them all, so the loop's per-column kernel launches are paid once per batch, not once per expert. With
-    `index` [B], matrix b reads Hessian index[b] of `hessian` [U, d, d] (and `tokens` [U]): readers of one input
-    (an expert's w1 and w3) share its Hessian, its ordering and its inverse factor.
+    Leading dims are a batch of independent matrices of one shape, each with its Hessian (`hessian` [B, d, d],
+    `tokens` [B]; a layer's routed experts): one column loop runs them all, so the loop's per-column kernel launches
+    are paid once per batch, not once per expert. Readers of one input (an expert's w1 and w3) are one matrix, their
+    rows stacked (linear_quant).
 
     With an MX format `dtype` the scale is per weight (2^e of each block of 32) and a column rounds to the
     format's elements (quant/mx.py): the result is those element values, float16 (which holds every E2M1 and E4M3
@@ -115,19 +111,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
                              None if tokens is None else torch.as_tensor(tokens).reshape(1))[0]
     damp, block_size, act_order = options.damp, options.block_size, options.act_order
     batch, _, cols = w.shape
-    if index is None:
-        index = torch.arange(batch)
-    index = index.to(w.device)
     work = torch.float64 if w.dtype == torch.float64 else torch.float32
     H = shrunk_hessian(hessian.to(w.device), tokens).to(work)
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag <= 0  # [U, in]: no token reached the channel
+    dead = diag <= 0  # [B, in]: no token reached the channel
     live = (~dead).to(H.dtype)
     H.mul_(live[:, :, None]).mul_(live[:, None, :])  # H is shrunk_hessian's own new tensor
     torch.diagonal(H, dim1=-2, dim2=-1).add_(dead.to(H.dtype))  # a dead channel: 1 on the diagonal
     perm = None
     if act_order:
-        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [U, in]
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [B, in]
         H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand_as(H)), 2, perm[:, None, :].expand_as(H))
     torch.diagonal(H, dim1=-2, dim2=-1).add_((damp * torch.diagonal(H, dim1=-2, dim2=-1).mean(dim=-1))[:, None])
     # Upper Cholesky factor of H^-1 (its rows are the update directions of the column-by-column solve).
@@ -137,12 +130,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
     # the ones after it. One float copy of the batch; the integers are kept as int8.
     Wt = w.detach().transpose(1, 2)
     if perm is not None:
-        Wt = torch.gather(Wt, 1, perm[index][:, :, None].expand_as(Wt))
+        Wt = torch.gather(Wt, 1, perm[:, :, None].expand_as(Wt))
     Wt = torch.empty(Wt.shape, dtype=work, device=Wt.device).copy_(Wt)  # never w itself, even in float32
     per_column = scale.shape[-1] != 1
     if per_column:  # like the columns: [B, in, out], act-order applied
         S = scale.to(w.device, work).transpose(-2, -1).reshape(batch, cols, -1)
-        S = torch.gather(S, 1, perm[index][:, :, None].expand_as(S)) if perm is not None else S.contiguous()
+        S = torch.gather(S, 1, perm[:, :, None].expand_as(S)) if perm is not None else S.contiguous()
     else:
         row_scale = scale.to(w.device, work).reshape(batch, 1, -1)
     mx = isinstance(dtype, MXFormat)
@@ -157,7 +150,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         end = min(start + block_size, cols)
         n = end - start
         W1 = Wt[:, start:end]
-        Hb = Hinv[:, start:end, start:end][index]
+        Hb = Hinv[:, start:end, start:end]
         diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
         rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
         scales = S[:, start:end].split(1, dim=1) if per_column else [row_scale] * n
@@ -172,8 +165,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
             err.div_(diag[i])
             W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)
         Qt[:, start:end] = Qb[:, :n]
-        Wt[:, end:].baddbmm_(Hinv[:, start:end, end:][index].transpose(1, 2), Err[:, :n], alpha=-1.0)  # no temporary
+        Wt[:, end:].baddbmm_(Hinv[:, start:end, end:].transpose(1, 2), Err[:, :n], alpha=-1.0)  # no temporary
     Q = Qt.transpose(1, 2)
     if perm is not None:
-        Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[index][:, None, :].expand_as(Q))
+        Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[:, None, :].expand_as(Q))
     return Q.contiguous()

@@ -151,30 +151,28 @@ def remove_output_linear(module: nn.Module, name: str) -> None:
 def quantize_weight(w: torch.Tensor, dtype: IntDtype | MXFormat, method: str = "ssz", ssz_iters: int = 50,
                     scale_dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None,
                     tokens: int | torch.Tensor | None = None, gptq: GPTQOptions = DEFAULT_GPTQ,
-                    hessian_index: torch.Tensor | None = None, group_size: int = 0
+                    group_size: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight quantization of w [..., out, in] for one scheme's weight dtype.
 
     Integer dtypes: (q int8 [..., out, in], scale float32 [..., out, 1], or [..., out, in / group_size] per group).
     The scale is a value of `scale_dtype` (rounded to nearest; a scale that would round to 0 stays the smallest
     positive one), and q is computed against exactly that value. gptq reads `hessian` (X^T X of the input) and
-    `tokens` (how many rows it summed); for a batch [B, out, in], `hessian_index` [B] picks each matrix's Hessian
-    among `hessian` [U, d, d] (readers of one input share one).
+    `tokens` (how many rows it summed); a batch [B, out, in] reads `hessian` [B, d, d] and `tokens` [B].
     MX formats: (stored elements uint8, E8M0 scales uint8 [..., out, in / 32]) as quant/mx.py stores them; `minmax`,
     `grid` (the exponent search) or `gptq` (`_quantize_mx`)."""
     if isinstance(dtype, MXFormat):
-        return _quantize_mx(w, dtype, method, hessian, tokens, gptq, hessian_index)
+        return _quantize_mx(w, dtype, method, hessian, tokens, gptq)
     if group_size:
-        return _quantize_groups(w, dtype, method, ssz_iters, hessian, tokens, gptq, hessian_index,
-                                group_size)
-    scale = _representable(_row_scales(w, dtype, method, ssz_iters, hessian, hessian_index), scale_dtype)
+        return _quantize_groups(w, dtype, method, ssz_iters, hessian, tokens, gptq, group_size)
+    scale = _representable(_row_scales(w, dtype, method, ssz_iters, hessian), scale_dtype)
     if method == "gptq":
-        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens, hessian_index), scale
+        return gptq_quantize(w, hessian, scale, dtype, gptq, tokens), scale
     return quantize_with_scale(w, scale, dtype), scale
 
 
-def _row_scales(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int, hessian: torch.Tensor | None = None,
-                hessian_index: torch.Tensor | None = None) -> torch.Tensor:
+def _row_scales(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int,
+                hessian: torch.Tensor | None = None) -> torch.Tensor:
     """The per-row scales [..., rows, 1] `method` chooses (gptq: the diag(H)-weighted grid)."""
     if method == "minmax":
         return minmax_scale(w, dtype, PerChannel())
@@ -183,19 +181,19 @@ def _row_scales(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int, h
     if method == "grid":
         return grid_scale_search(w, dtype)
     if method == "gptq":
-        return gptq_scale(w, hessian, dtype, hessian_index)
+        return gptq_scale(w, hessian, dtype)
     raise ValueError(f"unknown weight method {method!r}; expected one of {list(WEIGHT_METHODS)}")
 
 
 def _quantize_mx(w: torch.Tensor, fmt: MXFormat, method: str, hessian: torch.Tensor | None, tokens: Any,
-                 gptq: GPTQOptions, hessian_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 gptq: GPTQOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """MX weights: `minmax` / `grid` (quant/mx.py), or `gptq`: the diag(H)-weighted exponent search, then GPTQ's
     error-compensating rounding to the elements against those fixed exponents."""
     if method != "gptq":
         return quantize_mx_weight(w, fmt, method)
-    exponents = grid_exponents(w, fmt, hessian_diagonals(hessian, hessian_index))
+    exponents = grid_exponents(w, fmt, hessian_diagonals(hessian))
     per_weight = torch.exp2(exponents.to(torch.float32)).repeat_interleave(BLOCK, dim=-1)
-    elements = gptq_quantize(w, hessian, per_weight, fmt, gptq, tokens, hessian_index)
+    elements = gptq_quantize(w, hessian, per_weight, fmt, gptq, tokens)
     return encode_weight(elements.to(torch.float32), exponents, fmt)
 
 
@@ -207,7 +205,7 @@ def _representable(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tenso
 
 
 def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: int,
-                     hessian: torch.Tensor | None, tokens: Any, gptq: GPTQOptions, hessian_index: Any,
+                     hessian: torch.Tensor | None, tokens: Any, gptq: GPTQOptions,
                      group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group integer weights: each run of `group_size` inputs of a row has its own scale, a value of
     GROUP_SCALE_DTYPE (the W4A8 MoE kernel's), found by `method` on the group as if it were a row; gptq rounds
@@ -218,7 +216,7 @@ def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: i
     groups = in_f // group_size
     rows = w.reshape(*lead, out_f * groups, group_size)  # one row per (output channel, group)
     if method == "gptq":
-        diag = hessian_diagonals(hessian, hessian_index)
+        diag = hessian_diagonals(hessian)
         by_group = w.reshape(*lead, out_f, groups, group_size).transpose(-3, -2)  # [..., G, out, g]
         imp = diag.reshape(*diag.shape[:-1], groups, group_size)  # [..., G, g]
         scale = grid_scale_search(by_group, dtype, importance=imp).transpose(-3, -2)  # [..., out, G, 1]
@@ -227,7 +225,7 @@ def _quantize_groups(w: torch.Tensor, dtype: IntDtype, method: str, ssz_iters: i
     scale = _representable(scale.reshape(*lead, out_f, groups), GROUP_SCALE_DTYPE)
     per_column = scale.repeat_interleave(group_size, dim=-1)
     if method == "gptq":
-        return gptq_quantize(w, hessian, per_column, dtype, gptq, tokens, hessian_index), scale
+        return gptq_quantize(w, hessian, per_column, dtype, gptq, tokens), scale
     return quantize_with_scale(w, per_column, dtype), scale
 
 
