@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,12 @@ from msmodelslim.errors import UserError
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# torch pins host memory with one cudaHostAlloc per block, which pins its pages on one thread: ~1 s per GB on the
+# H100 machine, paid by each new calibration state a unit sends back and by the parked Hessians, so a layer's cost
+# grew with its tokens (bench/pinned_copies.py). Faulting the pages in on 8 threads and registering them is faster.
+# A user's own `pinned_*` keys in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF win.
+PINNED_HOST_ALLOCATOR = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+_ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 @dataclass(frozen=True)
@@ -130,9 +137,14 @@ def parse_device(text: str, torchrun: TorchrunRank | None = None) -> DeviceSpec:
 def bind_device(device: torch.device) -> None:
     """Make `device` the current one of the calling thread (each rank's main and prefetch threads: a thread that
     never sets it would place its work on device 0). On an NPU, operators run as precompiled aclnn kernels rather
-    than being compiled on first use, as msModelSlim's quant services set it (`set_compile_mode`)."""
+    than being compiled on first use, as msModelSlim's quant services set it (`set_compile_mode`). On CUDA, pinned
+    host memory is allocated as PINNED_HOST_ALLOCATOR says."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if not any("pinned_" in os.environ.get(env, "") for env in _ALLOC_CONF_ENVS):
+            set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
+                or torch.cuda.memory._set_allocator_settings  # (torch < 2.9)
+            set_settings(PINNED_HOST_ALLOCATOR)
     elif device.type == "npu":
         import torch_npu  # noqa: F401  (registers the npu device in this process)
 

@@ -154,3 +154,22 @@ def test_an_npu_rank_binds_its_device_turns_jit_compilation_off_and_reads_its_me
     device_mod.reset_peak_device_bytes(device)
     assert calls == [("set_device", device), ("jit_compile", False), "empty", ("reset_peak", device)]
     assert device_mod.peak_device_bytes(device) == 5 * 2**30
+
+
+@pytest.mark.parametrize(("user_conf", "applied"), [
+    (None, [device_mod.PINNED_HOST_ALLOCATOR]),
+    ("expandable_segments:True", [device_mod.PINNED_HOST_ALLOCATOR]),  # other keys: ours added beside them
+    ("pinned_use_cuda_host_register:False", []),  # the user's pinned_* keys win
+])
+def test_a_cuda_rank_pins_host_memory_on_several_threads_unless_the_user_set_it(monkeypatch, user_conf, applied):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(d))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: calls.append(conf),
+                        raising=False)
+    for env in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(env, raising=False)
+    if user_conf is not None:
+        monkeypatch.setenv("PYTORCH_ALLOC_CONF", user_conf)
+    device = types.SimpleNamespace(type="cuda", index=1)
+    device_mod.bind_device(device)
+    assert calls == [device, *applied]
