@@ -13,9 +13,10 @@ so the sizes run there and back (ascending, then descending): a steady drift the
 size's mean and leaves the slope alone. `--one-way` runs each size once.
 
     python bench/calib_cost.py [--tokens 4096,16384 --max-seq-len 512 --report-tokens 4096 --search-tokens 4096
-                                --host-state-gib 0 --one-way --tree DIR]
+                                --host-state-gib 0 --one-way --tree DIR --resume-every 1,2]
 `--tree DIR` runs the runner of another copy of the package (`git archive` of an older commit); the plain forward
-is this tree's either way.
+is this tree's either way. `--resume-every 1,2` runs the runner once per spec.resume_every value at each size, one
+after the other, and reports each one's slope and its resumable state's share (issue 31's 5 % target).
 Prints one JSON line last.
 """
 
@@ -31,7 +32,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, ROOT, SHARED, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.common import BENCH_OUT, ROOT, SHARED, line_fit, machine, print_result, run_quant, shrunken_practice  # noqa: E402
 from bench.k3_layer import long_record_set  # noqa: E402
 from msmodelslim.core.calib import load_calib_records  # noqa: E402
 from msmodelslim.core.config import DEFAULT_MICRO_BATCH_TOKENS  # noqa: E402
@@ -76,11 +77,8 @@ def plain_forward_in_child(folder: Path, records: int, max_seq_len: int) -> floa
 
 
 def slope_ms(tokens: list[int], seconds: list[float]) -> float:
-    """Milliseconds per token: the least-squares slope of seconds over tokens (two sizes: the two-point slope; more
-    sizes damp this machine's noise in any one run)."""
-    mean_t, mean_s = sum(tokens) / len(tokens), sum(seconds) / len(seconds)
-    return 1000 * sum((t - mean_t) * (s - mean_s) for t, s in zip(tokens, seconds)) \
-        / sum((t - mean_t) ** 2 for t in tokens)
+    """Milliseconds per token: the least-squares slope of seconds over tokens."""
+    return 1000 * line_fit(tokens, seconds)[0]
 
 
 def main() -> None:
@@ -97,47 +95,66 @@ def main() -> None:
                         "marginal cost is that of a token past the search's sample")
     p.add_argument("--host-state-gib", type=float, default=None,
                    help="$MSMODELSLIM_HOST_STATE_GIB for the runner (0: every micro-batch's state spilled to disk)")
+    p.add_argument("--resume-every", default=None,
+                   help="comma-separated spec.resume_every values, each a variant run beside the others at each size "
+                        "(default: the practice's)")
     p.add_argument("--one-way", action="store_true", help="each size once, in the given order (half the time)")
     p.add_argument("--tree", default=None, help="run the runner of this copy of the package")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
-    rows = []
+    variants = [None] if args.resume_every is None else [int(v) for v in args.resume_every.split(",")]
+    rows: dict[int | None, list[dict]] = {v: [] for v in variants}
+    forwards: list[tuple[int, float]] = []
     for tokens in sizes if args.one_way else [*sizes, *reversed(sizes)]:
         folder, records = long_record_set(tokens, args.max_seq_len, images=False)
-        spec = {"calibrate_all_experts": True} if args.calibrate_all_experts else {}
-        if args.report_tokens is not None:
-            spec["report_tokens"] = args.report_tokens
-        practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records, args.max_seq_len,
-                                     dataset=folder, spec=spec)
-        if args.search_tokens is not None:
-            data = yaml.safe_load(practice.read_text())
-            next(step for step in data["spec"]["process"] if step["type"] == "iter_smooth")["search_tokens"] = \
-                args.search_tokens
-            practice.write_text(yaml.safe_dump(data, sort_keys=False))
-        env = {} if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
-        run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear",
-                        extra_env=env, tree=args.tree)["ranks"][0]
-        forward = plain_forward_in_child(folder, records, args.max_seq_len)
-        rows.append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2), "forward_s": round(forward, 3),
-                     "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
-                                  and k not in ("runner_wall", "peak_rss_gb")},
-                     "passes": run.get("calibration_passes")})
-        print(rows[-1], flush=True)
-    tokens = [r["tokens"] for r in rows]
-    runner_ms = slope_ms(tokens, [r["runner_s"] for r in rows])
-    forward_ms = slope_ms(tokens, [r["forward_s"] for r in rows])
-    stage_ms = {k: round(slope_ms(tokens, [r["stages_s"].get(k, 0.0) for r in rows]), 4)
-                for k in rows[0]["stages_s"]}
-    print_result({"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
-                  "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
-                  "report_tokens": args.report_tokens, "search_tokens": args.search_tokens,
-                  "host_state_gib": args.host_state_gib, "tree": args.tree,
-                  "max_seq_len": args.max_seq_len, "order": "one way" if args.one_way else "there and back",
-                  "sizes": rows,
-                  "runner_marginal_ms_per_token": round(runner_ms, 4),
-                  "forward_marginal_ms_per_token": round(forward_ms, 4),
-                  "ratio": round(runner_ms / forward_ms, 2) if forward_ms > 0 else None, "target_ratio": 3,
-                  "stage_marginal_ms_per_token": stage_ms})
+        for every in variants:  # side by side at each size, so this machine's drift hits them alike
+            spec = {"calibrate_all_experts": True} if args.calibrate_all_experts else {}
+            if args.report_tokens is not None:
+                spec["report_tokens"] = args.report_tokens
+            if every is not None:
+                spec["resume_every"] = every
+            practice = shrunken_practice(PRACTICE, BENCH_OUT / f"calib_cost_{tokens}.yaml", records,
+                                         args.max_seq_len, dataset=folder, spec=spec)
+            if args.search_tokens is not None:
+                data = yaml.safe_load(practice.read_text())
+                next(step for step in data["spec"]["process"] if step["type"] == "iter_smooth")["search_tokens"] = \
+                    args.search_tokens
+                practice.write_text(yaml.safe_dump(data, sort_keys=False))
+            env = {} if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
+            run = run_quant(MINI, BENCH_OUT / "calib_cost_out", "cpu", practice, model_type="Kimi-Linear",
+                            extra_env=env, tree=args.tree)["ranks"][0]
+            rows[every].append({"tokens": tokens, "runner_s": round(run["runner_wall"], 2),
+                                "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
+                                             and k not in ("runner_wall", "peak_rss_gb")},
+                                "passes": run.get("calibration_passes")})
+            print({"resume_every": every, **rows[every][-1]}, flush=True)
+        forwards.append((tokens, plain_forward_in_child(folder, records, args.max_seq_len)))
+        print({"tokens": tokens, "forward_s": round(forwards[-1][1], 3)}, flush=True)
+    forward_ms = slope_ms([t for t, _ in forwards], [s for _, s in forwards])
+
+    def summary(runs: list[dict]) -> dict:
+        tokens = [r["tokens"] for r in runs]
+        runner_ms = slope_ms(tokens, [r["runner_s"] for r in runs])
+        stage_ms = {k: round(slope_ms(tokens, [r["stages_s"].get(k, 0.0) for r in runs]), 4)
+                    for k in runs[0]["stages_s"]}
+        return {"sizes": runs, "runner_marginal_ms_per_token": round(runner_ms, 4),
+                "ratio": round(runner_ms / forward_ms, 2) if forward_ms > 0 else None,
+                "stage_marginal_ms_per_token": stage_ms,
+                "resume_state_pct_of_runner": round(100 * stage_ms.get("resume_state", 0.0) / runner_ms, 1)
+                if runner_ms > 0 else None}
+
+    result = {"bench": "calib_cost", "machine": machine(), "model": "kimi-linear-mini",
+              "practice": PRACTICE.name, "calibrate_all_experts": args.calibrate_all_experts,
+              "report_tokens": args.report_tokens, "search_tokens": args.search_tokens,
+              "host_state_gib": args.host_state_gib, "tree": args.tree,
+              "max_seq_len": args.max_seq_len, "order": "one way" if args.one_way else "there and back",
+              "forward_sizes_s": [{"tokens": t, "forward_s": round(s, 3)} for t, s in forwards],
+              "forward_marginal_ms_per_token": round(forward_ms, 4), "target_ratio": 3}
+    if args.resume_every is None:
+        result.update(summary(rows[None]))
+    else:
+        result["by_resume_every"] = {str(v): summary(rows[v]) for v in variants}
+    print_result(result)
 
 
 if __name__ == "__main__":

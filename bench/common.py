@@ -36,6 +36,14 @@ def machine() -> str:
     return f"{platform.machine()} {torch.get_num_threads()} threads, {cuda}, torch {torch.__version__}"
 
 
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points (two points: the line through them; more
+    damp the noise of any one run)."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return slope, mean_y - slope * mean_x
+
+
 def print_result(result: dict) -> None:
     """The JSON line every benchmark prints last."""
     print(json.dumps(result, sort_keys=True), flush=True)

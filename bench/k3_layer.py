@@ -13,7 +13,7 @@ vs the mean of the next ones, in a fresh process.
 
 Calibration at scale (`--tokens 65536,262144,1048576`): a generated set of long records (random words, cut to
 `--max-seq-len`; one record in 8 is image+text from lab_calib/calibImages) of T tokens for each T, run after one
-warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the slope between the sizes.
+warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the least-squares slope over the sizes.
 `--baseline-tree DIR` runs the same sizes with another copy of the package (e.g. `git archive` of an older commit)
 in the same sitting, for a side-by-side ratio; `--micro-batch-tokens 8192,65536` runs each size at each micro-batch
 size (the passes are bound by kernel launches per micro-batch, not by the device's arithmetic).
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, line_fit, machine, print_result, run_quant, shrunken_practice  # noqa: E402
 
 EP = 8
 EXPERTS_PER_RANK = 896 // EP
@@ -156,13 +156,12 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                      "stages_s": {k: round(v, 2) for k, v in r.items() if isinstance(v, float) and k not in
                                   ("runner_wall", "peak_rss_gb", "peak_device_gb")}} for r in runs]
         marginal, record = {}, {}
-        if len(runs) > 1:
-            first, last = runs[0], runs[-1]
-            span = last["tokens_requested"] - first["tokens_requested"]
-            marginal = {k: round(1000 * (last.get(k, 0.0) - first.get(k, 0.0)) / span, 4)
-                        for k in last if isinstance(last[k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
-            per_token = (last["runner_wall"] - first["runner_wall"]) / span  # the layer as plan_records.json holds it
-            record = {"seconds_fixed_per_decoder_unit": round(first["runner_wall"] - per_token * first["tokens_requested"], 1),
+        if len(runs) > 1:  # least-squares lines over the sizes
+            tokens = [r["tokens_requested"] for r in runs]
+            marginal = {k: round(1000 * line_fit(tokens, [r.get(k, 0.0) for r in runs])[0], 4)
+                        for k in runs[-1] if isinstance(runs[-1][k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
+            per_token, fixed = line_fit(tokens, [r["runner_wall"] for r in runs])  # as plan_records.json holds it
+            record = {"seconds_fixed_per_decoder_unit": round(fixed, 1),
                       "ms_per_token_per_decoder_unit": round(1000 * per_token, 4)}
         largest = runs[-1]
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
