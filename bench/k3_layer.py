@@ -13,7 +13,8 @@ vs the mean of the next ones, in a fresh process.
 
 Calibration at scale (`--tokens 65536,262144,1048576`): a generated set of long records (random words, cut to
 `--max-seq-len`; one record in 8 is image+text from lab_calib/calibImages) of T tokens for each T, run after one
-warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the least-squares slope over the sizes.
+warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the least-squares slope over
+the sizes.
 `--baseline-tree DIR` runs the same sizes with another copy of the package (e.g. `git archive` of an older commit)
 in the same sitting, for a side-by-side ratio; `--micro-batch-tokens 8192,65536` runs each size at each micro-batch
 size (the passes are bound by kernel launches per micro-batch, not by the device's arithmetic).
