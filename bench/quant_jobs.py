@@ -7,7 +7,9 @@ iter_smooth's search (bench/k3_layer.py: 13.6 s and 6.7 s on the H100) and the H
 tokens), each part
 synchronized, best of `--repeats`:
 
-- gptq: the diag(H)-weighted scale search, the inverse Cholesky factor, the column loop (the whole less the two);
+- gptq: the diag(H)-weighted scale search, the inverse Cholesky factor, the column loop (the whole less the two),
+  eager and with a full block's loop replayed as a CUDA graph (`gptq._BlockGraph`), on the experts' batch and on one
+  wide W8A8 linear (`--wide` columns, per-row and per-group scales), and whether the two give the same integers;
 - the report's exact weight error of the batch: read back per linear (as the apply loop did) against one read of
   all (as the job does now);
 - iter_smooth's modelled error of one reader for 8 candidate smoothings: read back per candidate (as before) against
@@ -33,8 +35,9 @@ from bench.common import machine, print_result  # noqa: E402
 from msmodelslim.core.device import synchronize  # noqa: E402
 from msmodelslim.core.placement import to_host  # noqa: E402
 from msmodelslim.processor.iter_smooth import error_parts  # noqa: E402
+from msmodelslim.quant import gptq  # noqa: E402
 from msmodelslim.quant.gptq import gptq_scale, inverse_cholesky_upper, shrunk_hessian  # noqa: E402
-from msmodelslim.quant.granularity import int4  # noqa: E402
+from msmodelslim.quant.granularity import int4, int8  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
 from msmodelslim.quant.sensitivity import hessian_error  # noqa: E402
 
@@ -57,6 +60,7 @@ def main() -> None:
     p.add_argument("--out", type=int, default=3072)
     p.add_argument("--width", type=int, default=3584)
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--wide", type=int, default=12288, help="columns of the one wide W8A8 linear (out: a quarter)")
     p.add_argument("--rank-experts", type=int, default=112, help="experts whose Hessians are parked")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
@@ -74,9 +78,32 @@ def main() -> None:
 
     scale_s, _ = timed(lambda: gptq_scale(w, hessian, int4), dev, r)
     factor_s, _ = timed(lambda: inverse_cholesky_upper(shrunk_hessian(hessian, tokens)), dev, r)
-    whole_s, (q, scale) = timed(lambda: quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens), dev, r)
+    experts = lambda: quantize_weight(w, int4, "gptq", hessian=hessian, tokens=tokens)  # noqa: E731
+    gptq.CUDA_GRAPHS = False
+    eager_s, (q_eager, _) = timed(experts, dev, r)
+    gptq.CUDA_GRAPHS = True
+    whole_s, (q, scale) = timed(experts, dev, r)
     result["gptq_s"] = {"whole": round(whole_s, 3), "scale_search": round(scale_s, 3), "factor": round(factor_s, 3),
-                        "column_loop": round(whole_s - scale_s - factor_s, 3)}
+                        "column_loop": round(whole_s - scale_s - factor_s, 3),
+                        "column_loop_eager": round(eager_s - scale_s - factor_s, 3)}
+    # one W8A8 linear as wide as Kimi-K3's o_proj input (12,288 columns, one matrix): the loop at its most
+    # launch-bound, with per-row and per-group scales
+    x1 = torch.randn(T, args.wide, device=dev, generator=g)
+    h1, w1 = x1.t() @ x1, torch.randn(args.wide // 4, args.wide, device=dev, generator=g).bfloat16()
+    del x1
+    wide = {"per_row": lambda: quantize_weight(w1, int8, "gptq", hessian=h1, tokens=T),  # noqa: E731
+            "per_group": lambda: quantize_weight(w1, int4, "gptq", hessian=h1, tokens=T, group_size=64)}  # noqa: E731
+    same = [torch.equal(q, q_eager)]
+    result["gptq_wide_s"] = {"shape": list(w1.shape)}
+    for name, fn in wide.items():
+        gptq.CUDA_GRAPHS = False
+        eager_s, (q1_eager, _) = timed(fn, dev, r)
+        gptq.CUDA_GRAPHS = True
+        graphs_s, (q1, _) = timed(fn, dev, r)
+        result["gptq_wide_s"][name] = {"eager": round(eager_s, 3), "graphs": round(graphs_s, 3)}
+        same.append(torch.equal(q1, q1_eager))
+    result["graphs_bit_identical"] = all(same)
+    del q1, q1_eager, q_eager, wide
 
     w_hat = q.float() * scale
 

@@ -138,35 +138,97 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, d
         S = torch.gather(S, 1, perm[:, :, None].expand_as(S)) if perm is not None else S.contiguous()
     else:
         row_scale = scale.to(w.device, work).reshape(batch, 1, -1)
-    mx = isinstance(dtype, MXFormat)
-    Qt = torch.empty(Wt.shape, dtype=torch.float16 if mx else torch.int8, device=Wt.device)
+    Qt = torch.empty(Wt.shape, dtype=torch.float16 if isinstance(dtype, MXFormat) else torch.int8, device=Wt.device)
     Qb = torch.empty_like(Wt[:, :block_size])  # a block's integers, in float
     Err = torch.empty_like(Qb)
-    # Each column costs a fixed number of small kernels whatever the batch holds (seven: divide, round, clamp,
-    # multiply, subtract, scale, update; no temporaries), so the loop is launch-bound: fewer ops per column is time
-    # saved on every device, and more so under the Ascend check, which sees each op in Python. The per-column
-    # views are cut once per block (split / unbind) for the same reason.
+    graph = None  # on CUDA, a full block's loop captured once (`_BlockGraph`) after the first block ran eagerly
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         n = end - start
-        W1 = Wt[:, start:end]
         Hb = Hinv[:, start:end, start:end]
-        diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
-        rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
-        scales = S[:, start:end].split(1, dim=1) if per_column else [row_scale] * n
-        views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
-        for i, (col, q, err, s) in enumerate(views):
-            torch.div(col, s, out=q)
-            if mx:
-                q.copy_(round_to_elements(q, dtype))
-            else:
-                q.round_().clamp_(dtype.qmin, dtype.qmax)
-            torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers
-            err.div_(diag[i])
-            W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)
+        if graph is not None and n == block_size:
+            graph.run(Wt[:, start:end], Hb, S[:, start:end] if per_column else None)
+        else:
+            scales = S[:, start:end].split(1, dim=1) if per_column else [row_scale] * n
+            _column_block(Wt[:, start:end], Hb, scales, Qb, Err, dtype)
+            if start == 0 and n == block_size and cols > block_size and _graphs_on(Wt.device):
+                graph = _BlockGraph.capture(Wt[:, :block_size], Hb, S[:, :block_size] if per_column else row_scale,
+                                            per_column, Qb, Err, dtype)
         Qt[:, start:end] = Qb[:, :n]
         Wt[:, end:].baddbmm_(Hinv[:, start:end, end:].transpose(1, 2), Err[:, :n], alpha=-1.0)  # no temporary
     Q = Qt.transpose(1, 2)
     if perm is not None:
         Q = torch.gather(Q, 2, torch.argsort(perm, dim=-1)[:, None, :].expand_as(Q))
     return Q.contiguous()
+
+
+CUDA_GRAPHS = True  # replay a full block's column loop as one CUDA graph (bench/quant_jobs.py turns it off to compare)
+
+
+def _graphs_on(device: torch.device) -> bool:
+    return CUDA_GRAPHS and device.type == "cuda"
+
+
+def _column_block(W1: torch.Tensor, Hb: torch.Tensor, scales: list[torch.Tensor], Qb: torch.Tensor,
+                  Err: torch.Tensor, dtype: IntDtype | MXFormat) -> None:
+    """GPTQ's sequential solve of one block of columns, in place: W1 [B, n, out] (the block's columns as rows,
+    updated), Hb [B, n, n] (its part of the inverse factor), `scales` (n tensors [B, 1, out] or [B, 1, 1]); writes
+    the block's integers (in float) to Qb[:, :n] and its scaled errors to Err[:, :n].
+
+    Each column costs a fixed number of small kernels whatever the batch holds (seven: divide, round, clamp,
+    multiply, subtract, scale, update; no temporaries), so the loop is launch-bound: fewer ops per column is time
+    saved on every device, and more so under the Ascend check, which sees each op in Python. The per-column views are
+    cut once per block (split / unbind) for the same reason; on CUDA a full block is replayed as a graph."""
+    n = W1.shape[1]
+    mx = isinstance(dtype, MXFormat)
+    diag = torch.diagonal(Hb, dim1=-2, dim2=-1)[:, :, None, None].unbind(1)  # n x [B, 1, 1]
+    rows = Hb[:, :, :, None].unbind(1)  # n x [B, n, 1]: row i spreads column i's error
+    views = zip(W1.split(1, dim=1), Qb[:, :n].split(1, dim=1), Err[:, :n].split(1, dim=1), scales)
+    for i, (col, q, err, s) in enumerate(views):
+        torch.div(col, s, out=q)
+        if mx:
+            q.copy_(round_to_elements(q, dtype))
+        else:
+            q.round_().clamp_(dtype.qmin, dtype.qmax)
+        torch.sub(col, torch.mul(q, s, out=err), out=err)  # not addcmul: its fused rounding moves integers
+        err.div_(diag[i])
+        W1[:, i + 1:].addcmul_(rows[i][:, i + 1:], err, value=-1.0)
+
+
+class _BlockGraph:
+    """The column loop of a full block captured once as a CUDA graph over its own copies of the block's inputs, and
+    replayed for each later full block: ~900 kernels a block (128 columns x 7) whose launches, not their arithmetic,
+    bound the loop (bench/quant_jobs.py). The same elementwise kernels in the same order as `_column_block` run
+    eagerly: the same bits. The block's columns need no copy back (nothing reads them after their block). Captured
+    with the graph's own calls, not `torch.cuda.graph`, which empties the allocator's cache at every capture."""
+
+    def __init__(self, W1: torch.Tensor, Hb: torch.Tensor, S: torch.Tensor | None,
+                 graph: torch.cuda.CUDAGraph) -> None:
+        self.W1, self.Hb, self.S, self.graph = W1, Hb, S, graph
+
+    @classmethod
+    def capture(cls, W1: torch.Tensor, Hb: torch.Tensor, scale: torch.Tensor, per_column: bool, Qb: torch.Tensor,
+                Err: torch.Tensor, dtype: IntDtype | MXFormat) -> _BlockGraph:
+        """The loop of `_column_block` over new buffers shaped like the block's (filled by `run`); a per-row
+        `scale` is the same for every block and is read where it is."""
+        with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
+            own = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (W1, Hb)]
+            S = torch.empty(scale.shape, dtype=scale.dtype, device=scale.device) if per_column else None
+            scales = S.split(1, dim=1) if per_column else [scale] * W1.shape[1]
+            graph = torch.cuda.CUDAGraph()
+            main, side = torch.cuda.current_stream(W1.device), torch.cuda.Stream(W1.device)
+            side.wait_stream(main)  # the work queued so far is done before the captured work reads its buffers
+            with torch.cuda.stream(side):
+                graph.capture_begin()
+                _column_block(own[0], own[1], scales, Qb, Err, dtype)
+                graph.capture_end()
+            main.wait_stream(side)
+            return cls(own[0], own[1], S, graph)
+
+    def run(self, W1: torch.Tensor, Hb: torch.Tensor, S: torch.Tensor | None) -> None:
+        with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
+            self.W1.copy_(W1)
+            self.Hb.copy_(Hb)
+            if self.S is not None:
+                self.S.copy_(S)
+            self.graph.replay()

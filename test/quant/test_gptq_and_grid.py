@@ -7,8 +7,10 @@ min/max and ssz scales. Tolerances are stated per test.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from msmodelslim.quant import gptq
 from msmodelslim.quant.functional import grid_scale_search, minmax_scale, quantize_with_scale, ssz_scale_search
 from msmodelslim.quant.gptq import GPTQOptions, gptq_quantize
 from msmodelslim.quant.granularity import PerChannel, int4
@@ -148,3 +150,19 @@ def test_a_batch_of_experts_gets_the_integers_each_would_get_alone():
     for i in range(3):
         alone = gptq_quantize(ws[i], hs[i], scales[i], int4, GPTQOptions(block_size=8), tokens=int(tokens[i]))
         assert torch.equal(batched[i], alone), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a CUDA device only")
+@pytest.mark.parametrize("group_size", [0, 64])
+def test_on_cuda_the_replayed_block_graph_gives_the_eager_loops_integers(monkeypatch, group_size):
+    """Reference: the same GPTQ with the column loop run eagerly (gptq.CUDA_GRAPHS off); exact equality, since the
+    graph replays the same elementwise kernels. 5 blocks of 128 columns and a short last one; per-row and
+    per-group scales."""
+    x = correlated_inputs(1024, 600).float().cuda()
+    h = x.t() @ x
+    w = torch.randn(96, 600, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    monkeypatch.setattr(gptq, "CUDA_GRAPHS", False)
+    q_eager, s_eager = quantize_weight(w, int4, "gptq", hessian=h, tokens=1024, group_size=group_size)
+    monkeypatch.setattr(gptq, "CUDA_GRAPHS", True)
+    q_graphs, s_graphs = quantize_weight(w, int4, "gptq", hessian=h, tokens=1024, group_size=group_size)
+    assert torch.equal(s_graphs, s_eager) and torch.equal(q_graphs, q_eager)
