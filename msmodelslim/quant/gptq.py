@@ -16,6 +16,7 @@ with the scale fixed, the GPTQ updates cannot move the clipping range, so it is 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from msmodelslim.core.placement import HOST, host_section, not_on_npu
 from msmodelslim.quant.functional import grid_scale_search
 from msmodelslim.quant.granularity import IntDtype
 from msmodelslim.quant.mx import MXFormat, round_to_elements
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,14 @@ def _graphs_on(device: torch.device) -> bool:
     return CUDA_GRAPHS and device.type == "cuda"
 
 
+def _eager_after_failed_capture(exc: RuntimeError) -> None:
+    """A capture failed: the column loops of the rest of the run go eagerly (said once)."""
+    global CUDA_GRAPHS
+    CUDA_GRAPHS = False
+    logger.warning("GPTQ: capturing the column loop as a CUDA graph failed (%s); the loops run eagerly from now on: "
+                   "the same integers, slower", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
 def _column_block(W1: torch.Tensor, Hb: torch.Tensor, scales: list[torch.Tensor], Qb: torch.Tensor,
                   Err: torch.Tensor, dtype: IntDtype | MXFormat) -> None:
     """GPTQ's sequential solve of one block of columns, in place: W1 [B, n, out] (the block's columns as rows,
@@ -208,9 +219,13 @@ class _BlockGraph:
 
     @classmethod
     def capture(cls, W1: torch.Tensor, Hb: torch.Tensor, scale: torch.Tensor, per_column: bool, Qb: torch.Tensor,
-                Err: torch.Tensor, dtype: IntDtype | MXFormat) -> _BlockGraph:
+                Err: torch.Tensor, dtype: IntDtype | MXFormat) -> _BlockGraph | None:
         """The loop of `_column_block` over new buffers shaped like the block's (filled by `run`); a per-row
-        `scale` is the same for every block and is read where it is."""
+        `scale` is the same for every block and is read where it is. None where the capture fails: the loop then
+        runs eagerly (the same integers, slower), and so does every later one.
+
+        Captured on a stream of its own in thread-local mode: the runner's loading thread allocates and copies on
+        the same device meanwhile, which a global-mode capture forbids (and capturing records, never runs, work)."""
         with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
             own = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (W1, Hb)]
             S = torch.empty(scale.shape, dtype=scale.dtype, device=scale.device) if per_column else None
@@ -218,11 +233,18 @@ class _BlockGraph:
             graph = torch.cuda.CUDAGraph()
             main, side = torch.cuda.current_stream(W1.device), torch.cuda.Stream(W1.device)
             side.wait_stream(main)  # the work queued so far is done before the captured work reads its buffers
-            with torch.cuda.stream(side):
-                graph.capture_begin()
-                _column_block(own[0], own[1], scales, Qb, Err, dtype)
-                graph.capture_end()
-            main.wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        _column_block(own[0], own[1], scales, Qb, Err, dtype)
+                    finally:
+                        graph.capture_end()
+            except RuntimeError as exc:
+                _eager_after_failed_capture(exc)
+                return None
+            finally:
+                main.wait_stream(side)
             return cls(own[0], own[1], S, graph)
 
     def run(self, W1: torch.Tensor, Hb: torch.Tensor, S: torch.Tensor | None) -> None:
