@@ -225,7 +225,8 @@ class _BlockGraph:
         runs eagerly (the same integers, slower), and so does every later one.
 
         Captured on a stream of its own in thread-local mode: the runner's loading thread allocates and copies on
-        the same device meanwhile, which a global-mode capture forbids (and capturing records, never runs, work)."""
+        the same device meanwhile, which a global-mode capture forbids. A capture records the kernels without
+        running them: the block's own results are the eager loop's, already in Qb and Err."""
         with not_on_npu("CUDA graphs; an NPU runs the loop eagerly"):
             own = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (W1, Hb)]
             S = torch.empty(scale.shape, dtype=scale.dtype, device=scale.device) if per_column else None
