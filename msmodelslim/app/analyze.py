@@ -9,6 +9,11 @@ ranked by a metric (msModelSlim's names, or the report's own):
     std       -> act_peak_ratio     max |x| / std of the input activations
     quantile  -> act_channel_ratio  max / median of the input channels' ranges (msModelSlim: int8 step / IQR)
 
+Without `--quant_type` / `--config_path` (as upstream's analyze runs): a statistic (kurtosis, std, quantile, the
+weight statistics) needs no quant scheme, so it is read off the float model's activations over every linear the
+model type's W8A8 practice quantizes (its linear selection alone: no rotation, no smoothing, min/max weights); an
+error metric needs one, and uses that W8A8 practice as it is. The summary says which.
+
 `--patterns` restricts the ranking to linears whose checkpoint names match a glob; `--save_path FILE.yaml` writes
 the top k as `disable_names`, which a practice's `spec.fallback` reads (`names_file`); `--report_path FILE.json`
 keeps the whole report (a fallback's `report`).
@@ -20,20 +25,26 @@ import contextlib
 import json
 import logging
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from msmodelslim.app.practice import choose_practice
 from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
 from msmodelslim.core.report import ANALYZE_METRICS, DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
+from msmodelslim.model.registry import load_registry
 from msmodelslim.processor.globs import matching
 
 logger = logging.getLogger(__name__)
 
+# Without a practice: the quant type whose practice quantizes every linear the serving engine can quantize, so that
+# every one of them is ranked.
+DEFAULT_QUANT_TYPE = "w8a8"
+ERROR_METRICS = ("error", "weight_error", "act_error")  # the report's fields that need a quant scheme
 
 
 @dataclass
@@ -59,6 +70,7 @@ class AnalyzeResult:
     top: list[tuple[str, float]]  # (checkpoint name, value), worst first
     considered: int  # linears ranked (after --patterns)
     report: dict[str, Any]
+    basis: str  # what the values were measured with (the practice, or the float statistics' linear selection)
 
 
 def _check_args(args: AnalyzeArgs) -> str:
@@ -99,6 +111,7 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
     if TorchrunRank.from_environment() is not None:
         raise UserError("msmodelslim analyze runs its own ranks (--device npu:0,1,...), not under torchrun")
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="msmodelslim-analyze-") as tmp:
+        args, basis = _with_practice(args, metric, Path(tmp))
         work_dir = Path(tmp) / "run"
         quant_args = QuantArgs(model_path=args.model_path, save_path=str(work_dir), model_type=args.model_type,
                                device=args.device, quant_type=args.quant_type, config_path=args.config_path,
@@ -126,7 +139,29 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
                   f"{Path(args.save_path).name}}}]\n")
         body = yaml.safe_dump({"metric": metric, "disable_names": [name for name, _ in top]}, sort_keys=False)
         _write_new(Path(args.save_path), header + body)
-    return AnalyzeResult(metric, top, len(linears), report)
+    return AnalyzeResult(metric, top, len(linears), report, basis or f"practice {plan.chosen.path}")
+
+
+def _with_practice(args: AnalyzeArgs, metric: str, tmp: Path) -> tuple[AnalyzeArgs, str | None]:
+    """`args` as given when they name a practice; else with the model type's DEFAULT_QUANT_TYPE practice, as it is
+    for an error metric, cut to its linear selection (min/max, nothing before it) for a statistic (module docstring),
+    and a sentence saying so."""
+    if args.quant_type is not None or args.config_path is not None:
+        return args, None
+    entry = load_registry().resolve(args.model_type)
+    chosen = choose_practice(args.model_type, entry.group, DEFAULT_QUANT_TYPE, None, tags=args.tags)
+    if metric in ERROR_METRICS:
+        return (replace(args, quant_type=DEFAULT_QUANT_TYPE),
+                f"no --quant_type: {metric} of {args.model_type}'s default practice {chosen.path}")
+    practice = yaml.safe_load(chosen.path.read_text(encoding="utf-8"))
+    selection = [step for step in practice["spec"]["process"] if step["type"] == "linear_quant"]
+    for step in selection:
+        step["qconfig"]["weight"]["method"] = "minmax"
+    practice["spec"]["process"] = selection
+    path = tmp / f"{chosen.path.stem}_statistics.yaml"
+    path.write_text(yaml.safe_dump(practice, sort_keys=False), encoding="utf-8")
+    return (replace(args, config_path=str(path)),
+            f"no --quant_type: float statistics over the linears {chosen.path.name} quantizes")
 
 
 def _write_new(path: Path, text: str) -> None:

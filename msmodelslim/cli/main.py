@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Quantize layer by layer in memory and rank the quantized linears by a "
                                          "sensitivity metric of the quant report; nothing but the files asked for "
                                          "is written.")
-    _model_arguments(analyze)
+    _model_arguments(analyze, practice_required=False)
     analyze.add_argument("--metrics", default="mse", metavar="METRIC",
                          help=f"{' | '.join(ANALYZE_METRICS)} (default: mse, the relative output error)")
     analyze.add_argument("--top_k", type=int, default=DEFAULT_TOP_K, help=f"how many to list (default {DEFAULT_TOP_K})")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, practice_required: bool = True) -> None:
     """What quant, analyze and tune take alike: the model, the devices, the practice."""
     parser.add_argument("--model_path", required=True, help="weight directory (config.json + safetensors)")
     parser.add_argument("--device", default="npu",
@@ -103,7 +103,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device_id", type=int, nargs="+", default=None, metavar="ID",
                         help="msModelSlim's spelling of the indices: --device npu --device_id 0 1 = --device npu:0,1")
     parser.add_argument("--model_type", required=True, help="display name from config/config.ini, e.g. Kimi-K3")
-    which = parser.add_mutually_exclusive_group(required=True)
+    which = parser.add_mutually_exclusive_group(required=practice_required)
     which.add_argument("--quant_type", help="w4a8, w8a8, ...: picks the best practice in lab_practice/")
     which.add_argument("--config_path", "--config", dest="config_path", help="a practice YAML to use instead of the lookup (or a shipped "
                                              "practice's name)")
@@ -184,7 +184,7 @@ def _run_analyze(ns: argparse.Namespace) -> int:
         calibration_dataset=ns.calibration_dataset,
         top_k=ns.top_k, patterns=list(ns.patterns), save_path=ns.save_path, report_path=ns.report_path))
     print(f"msmodelslim analyze: the {len(result.top)} of {result.considered} quantized linears with the largest "
-          f"{result.metric}")
+          f"{result.metric} ({result.basis})")
     width = max((len(name) for name, _ in result.top), default=0)
     for rank, (name, value) in enumerate(result.top, 1):
         scheme = result.report["linears"][name]["scheme"]

@@ -102,6 +102,31 @@ def test_a_quant_run_of_the_planted_checkpoint_ranks_the_outlier_first_and_a_fal
     assert OUTLIER not in json.loads((again / "quant_report.json").read_text())["linears"]
 
 
+def small_image_set(folder: Path) -> Path:
+    """Two records of lab_calib/calibImages (an image one and a text one) in `folder`."""
+    source = REPO / "lab_calib" / "calibImages"
+    (folder / "images").mkdir(parents=True)
+    (folder / "images" / "bar_chart.png").write_bytes((source / "images" / "bar_chart.png").read_bytes())
+    (folder / "index.jsonl").write_text(json.dumps({"image": "images/bar_chart.png", "text": "What is shown?"}) + "\n"
+                                        + json.dumps({"text": "A line of plain text to calibrate on."}) + "\n")
+    return folder
+
+
+def test_analyze_without_a_quant_type_ranks_float_statistics_over_the_default_practices_linears(planted, tmp_path,
+                                                                                                capsys):
+    """No --quant_type / --config_path (upstream's analyze): a weight statistic needs no scheme. Reference: the
+    planted column (x30) gives OUTLIER the largest weight kurtosis; the summary names the W8A8 practice whose linear
+    selection was ranked."""
+    code = main(["analyze", "--model_path", str(planted), "--device", "cpu", "--model_type", "Kimi-K3",
+                 "--trust_remote_code", "True", "--log_level", "warning", "--metrics", "weight_kurtosis", "--top_k",
+                 "2", "--calibration_dataset", str(small_image_set(tmp_path / "calib"))])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "weight_kurtosis (no --quant_type: float statistics over the linears kimi_k3_w8a8.yaml quantizes)" \
+        in out.splitlines()[0]
+    assert f"    1  {OUTLIER} " in out and "W8A8_DYNAMIC" in out
+
+
 @pytest.mark.parametrize("extra,message", [
     (("--metrics", "entropy"), "--metrics 'entropy': expected one of mse, kurtosis"),
     (("--top_k", "0"), "--top_k 0: must be a positive integer"),

@@ -20,6 +20,7 @@ PRACTICES = REPO / "lab_practice" / "kimi_k3"
 
 MX_PRACTICES = ("w4a16_mxfp4", "w4a8_mxfp", "w4a4c8_mxfp")
 TINY_GROUP = 32
+MODELS = {"mini": ("Kimi-Linear", "kimi_linear"), "tiny_k3": ("Kimi-K3", "kimi_k3")}  # -> model type, stem
 
 
 def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False,
@@ -27,29 +28,35 @@ def build_outputs(root: Path, tiny_k3: Path, every_practice: bool = False,
     """{(model, practice): output directory}; kimi-linear-mini is left out where ../shared lacks it.
     `every_practice` adds the plain W4A8 practice of both models, and the MX and per-group ones of the mini."""
     made = {}
-    for model, model_type, path, stem in (("mini", "Kimi-Linear", MINI, "kimi_linear"),
-                                          ("tiny_k3", "Kimi-K3", tiny_k3, "kimi_k3")):
+    for model, path in (("mini", MINI), ("tiny_k3", tiny_k3)):
         if not (path / "config.json").is_file():
             continue
         extra = (*MX_PRACTICES, "w4a8_pergroup", "w4a8_upstream") if model == "tiny_k3" or every_practice else ()
         for quant_type in ("w4a8c8", "w8a8", *extra, *(("w4a8",) if every_practice else ())):
-            practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
-                                         max_samples=2, max_seq_len=64,
-                                         plain_numerics=plain_numerics)
-            if quant_type == "w4a8_pergroup":
-                practice.write_text(practice.read_text().replace("group_size: 256", f"group_size: {TINY_GROUP}"))
-            out = root / f"{model}_{quant_type}"
-            quant(QuantArgs(model_path=str(path), save_path=str(out), device="cpu", model_type=model_type,
-                            config_path=str(practice), trust_remote_code=True))
-            made[(model, quant_type)] = out
+            made[(model, quant_type)] = build_one(root, path, model, quant_type, plain_numerics)
     return made
 
 
-def file_hashes(out: Path) -> dict[str, str]:
-    """Relative path -> SHA-256 of every file of an output directory but the quant report (a diagnostic of float
-    sums kept to 4 significant digits, added after the record; its own tests hold it to a stated tolerance)."""
+def build_one(root: Path, path: Path, model: str, quant_type: str, plain_numerics: bool = True) -> Path:
+    """`model` ("mini" or "tiny_k3", read from `path`) quantized with the shipped practice of `quant_type`, shrunk
+    as `build_outputs` does, in `root/<model>_<quant_type>`."""
+    model_type, stem = MODELS[model]
+    root.mkdir(parents=True, exist_ok=True)
+    practice = shrunken_practice(PRACTICES / f"{stem}_{quant_type}.yaml", root / f"{model}_{quant_type}.yaml",
+                                 max_samples=2, max_seq_len=64, plain_numerics=plain_numerics)
+    if quant_type == "w4a8_pergroup":
+        practice.write_text(practice.read_text().replace("group_size: 256", f"group_size: {TINY_GROUP}"))
+    out = root / f"{model}_{quant_type}"
+    quant(QuantArgs(model_path=str(path), save_path=str(out), device="cpu", model_type=model_type,
+                    config_path=str(practice), trust_remote_code=True))
+    return out
+
+
+def file_hashes(out: Path, report: bool = False) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file of an output directory, the quant report only with `report` (a
+    diagnostic of float sums kept to 4 significant digits, which a refactor may reorder)."""
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "quant_report.json"}
+            for p in sorted(out.rglob("*")) if p.is_file() and (report or p.name != "quant_report.json")}
 
 
 # The mixed output of the fallback tests: one routed expert of layer 1 named to W8A8_DYNAMIC (its layer's experts move
