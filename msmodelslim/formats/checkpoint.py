@@ -313,7 +313,10 @@ def source_identity(model_dir: str | os.PathLike[str]) -> dict[str, str]:
 
 def _shard_sample(path: Path) -> bytes:
     """A shard's size, header and SAMPLES_PER_SHARD reads of SAMPLE_BYTES spread over its tensor bytes (b"" for a
-    shard that cannot be read: the checker reports it)."""
+    shard that cannot be read: the checker reports it). Only a regular file is opened: a FIFO would wait for a
+    writer forever."""
+    if not path.is_file():
+        return b""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -378,6 +381,9 @@ def open_checkpoint(model_dir: str | os.PathLike[str], config: dict[str, Any] | 
             # judged by the name, not by where links lead: a hub cache links its shards to blobs elsewhere
             if Path(shard).is_absolute() or os.path.normpath(shard).startswith(".."):
                 raise CheckpointError(f"{index_path}: shard {shard!r} (holding {key}) lies outside {model_dir}")
+            if path.exists() and not path.is_file():
+                raise CheckpointError(f"{index_path}: shard {shard} (holding {key}) in {model_dir} is not a regular "
+                                      f"file (a pipe, device or socket cannot be read as one)")
             if not path.is_file():
                 raise CheckpointError(f"{index_path}: shard {shard} (holding {key}) not found in {model_dir}")
         _check_shards(model_dir, weight_map, index_path)

@@ -324,6 +324,17 @@ def practice_is_a_fifo(model: Path, ws: Path) -> list[str]:
     return ["--config_path", str(ws / "practice.yaml")]
 
 
+def shard_is_a_fifo(model: Path, ws: Path) -> list[str]:
+    shard = model / weight_map(model)[key(model, r"experts\.0\.w1\.weight_packed$")]
+    shard.unlink()
+    os.mkfifo(shard)  # reading it would wait for a writer forever: quant must refuse it before opening it
+    return []
+
+
+def shard_is_a_fifo_under_plan(model: Path, ws: Path) -> list[str]:
+    return [*shard_is_a_fifo(model, ws), "--plan"]
+
+
 def practice_is_dev_zero(model: Path, ws: Path) -> list[str]:
     return ["--config_path", "/dev/zero"]
 
@@ -425,6 +436,10 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                             r"it"),
     "practice_alias_bomb": (practice_alias_bomb, r"bomb\.yaml:2:\d+: invalid YAML: alias \*a0 \(aliases are not "
                             r"allowed"),
+    "shard_is_a_fifo": (shard_is_a_fifo, r"shard model-\d+-of-\d+\.safetensors \(holding .*\) in \S+ is not a "
+                                         r"regular file"),
+    "shard_is_a_fifo_under_plan": (shard_is_a_fifo_under_plan, r"shard model-\d+-of-\d+\.safetensors .* is not a "
+                                                               r"regular file"),
     "practice_is_a_fifo": (practice_is_a_fifo, r"practice path \S+practice\.yaml is not a regular file"),
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
     "calibration_dataset_is_dev_zero": (calibration_dataset_is_dev_zero,
