@@ -40,7 +40,7 @@ from msmodelslim.errors import ResumableError, Terminated, UserError
 from msmodelslim.formats.checkpoint import different_source, source_identity
 from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
-from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint
+from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
 from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
 from msmodelslim.quant.modules import SCHEMES
 
@@ -93,6 +93,12 @@ class _Plan:
     records: list[CalibRecord]
     practice_data: bytes  # the practice file as it runs (`practice_bytes`): the fingerprint's and the output's copy
     source: dict[str, str]  # source_identity of model_path, read once (it samples every shard)
+    inputs: dict[str, str]  # the content of every file the practice reads (`practice_inputs`)
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """Everything that decides the output (pipeline/resume.py `input_identity`)."""
+        return input_identity(self.source, self.practice_data, self.inputs)
 
 
 def _read_model_config(model_path: Path) -> dict[str, Any]:
@@ -222,7 +228,8 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     _check_fallback_reports(chosen, model_path, source)
     adapter_cls = entry.load_adapter_class()
     adapter_cls.check_config(config, model_path / "config.json", args.model_type)
-    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records, practice_bytes(chosen), source)
+    return _Plan(model_path, save_path, entry, adapter_cls, chosen, device, records, practice_bytes(chosen), source,
+                 practice_inputs(chosen, records))
 
 
 def run_quant_service(plan: _Plan, args: QuantArgs, work_dir: Path, resume_after: int | None = None,
@@ -274,6 +281,35 @@ def practice_bytes(chosen: ChosenPractice) -> bytes:
         return data
     practice["spec"]["dataset"] = str(Path(dataset).expanduser().resolve())
     return ("# spec.dataset from --calibration_dataset\n" + yaml.safe_dump(practice, sort_keys=False)).encode()
+
+
+def practice_inputs(chosen: ChosenPractice, records: list[CalibRecord]) -> dict[str, str]:
+    """sha256 of what the practice read from files besides its own bytes, by the name a user knows each by: every
+    fallback's names file and report (as read: the names, the ranking and the report's source) and the calibration
+    records (their texts and their images' bytes, as far as `spec.max_samples` reads)."""
+    spec = chosen.practice.spec
+    out = {}
+    for i, fallback in enumerate(spec.fallback):
+        if fallback.names_file is not None:
+            out[f"spec.fallback[{i}].names_file {fallback.names_file}"] = _sha256_json(fallback.globs)
+        if fallback.report is not None:
+            out[f"spec.fallback[{i}].report {fallback.report}"] = _sha256_json([fallback.ranking,
+                                                                                 fallback.report_source])
+    records_digest = hashlib.sha256()
+    for record in records:
+        records_digest.update(_sha256_json([record.text, record.image is not None]).encode())  # content, not where
+        if record.image is not None:
+            try:
+                records_digest.update(hashlib.sha256(record.image.read_bytes()).digest())
+            except OSError as exc:
+                raise UserError(f"spec.dataset {spec.dataset}: cannot read image {record.image} ({exc.strerror})") \
+                    from None
+    out[f"the calibration dataset {spec.dataset}"] = records_digest.hexdigest()
+    return out
+
+
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def practice_file_name(model_type: str) -> str:
@@ -393,7 +429,7 @@ def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], in
     work_dir = _side_name(plan.save_path, "partial")
     state = ResumeState(work_dir)
     world = plan.device.world_size
-    expected = fingerprint(plan.source, plan.practice_data, plan.device.type, world)
+    expected = fingerprint(plan.source, plan.practice_data, plan.inputs, plan.device.type, world)
     if args.resume:
         if not work_dir.is_dir():
             raise UserError(f"--resume: no interrupted run of --save_path {plan.save_path} to continue ({work_dir} "
@@ -435,7 +471,7 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
 
 
 @contextlib.contextmanager
-def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterator[None]:
+def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: bool = False) -> Iterator[None]:
     """Whatever fails inside: `_failed` decides what stays, and a signal is re-raised as the signal."""
     try:
         yield
@@ -447,7 +483,7 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterat
             error = stop.replace(exc)
             if isinstance(error, Exception) and not isinstance(error, UserError):
                 error = disk_full_error(work_dir, error) or error  # the publish's own writes
-            _failed(work_dir, world, error, *files)
+            _failed(work_dir, world, error, *files, resumed=resumed)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if error is exc:
@@ -455,11 +491,12 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path) -> Iterat
         raise error from None
 
 
-def _failed(work_dir: Path, world: int, error: BaseException, *files: Path) -> None:
+def _failed(work_dir: Path, world: int, error: BaseException, *files: Path, resumed: bool = False) -> None:
     """After a failure: keep resumable state (and say how to use it), else remove the temporary output. A bad input
     found mid-run (a NaN in a layer, say) discards it too: the run cannot go on with that input, and fixing it makes
-    another run."""
-    keep = isinstance(error, ResumableError) or not isinstance(error, UserError)
+    another run. A resumed run never discards: the state it continued was good, and whatever the new attempt was
+    refused for (a typo in a file it reads) the user can fix and resume again."""
+    keep = resumed or isinstance(error, ResumableError) or not isinstance(error, UserError)
     if keep and ResumeState(work_dir).resume_point(world) is not None:
         logger.warning("the run can be resumed: the same command with --resume continues after the last unit every "
                        "rank finished; --fresh starts over (the state is in %s)", work_dir)
@@ -497,7 +534,7 @@ def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
         _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
         _check_free_space(plan.model_path, plan.save_path)
         work_dir, after = _open_work_dir(plan, args)
-        with _on_failure(stop, work_dir, plan.device.world_size):
+        with _on_failure(stop, work_dir, plan.device.world_size, resumed=after is not None):
             run_quant_service(plan, args, work_dir, after)
             _finish_output(plan, args, work_dir)
 
@@ -512,7 +549,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
         try:
             with contextlib.ExitStack() as held:
                 work_dir, after, error, token = None, None, None, uuid.uuid4().hex
-                source = plan.source if place.is_main else None
+                identity = plan.identity if place.is_main else None
                 if place.is_main:
                     try:
                         held.enter_context(_output_lock(plan.save_path))
@@ -522,13 +559,13 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                         (work_dir / _SHARED_TOKEN).write_text(token)
                     except UserError as exc:
                         error = str(exc)
-                work_dir, after, token, error, source = torchrun.share((work_dir, after, token, error, source))
+                work_dir, after, token, error, identity = torchrun.share((work_dir, after, token, error, identity))
                 if error:
                     raise UserError(error)
                 # rank 0 may be killed holding the lock: another rank removes it then
                 lock = () if place.is_main else (_side_name(plan.save_path, "lock"),)
-                with _on_failure(stop, work_dir, plan.device.world_size, *lock):
-                    _check_shared(plan, work_dir, token, source, place)
+                with _on_failure(stop, work_dir, plan.device.world_size, *lock, resumed=after is not None):
+                    _check_shared(plan, work_dir, token, identity, place)
                     run_quant_service(plan, args, work_dir, after)
                     if place.is_main:
                         _finish_output(plan, args, work_dir)
@@ -536,14 +573,15 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
             torchrun.leave()
 
 
-def _check_shared(plan: _Plan, work_dir: Path, token: str, source: dict[str, str], place: TorchrunRank) -> None:
+def _check_shared(plan: _Plan, work_dir: Path, token: str, identity: dict[str, Any], place: TorchrunRank) -> None:
     """Before any compute, every rank reads rank 0's token in the temporary output (one shared directory) and
-    reads the same checkpoint as rank 0 (a node-local copy of another revision would make a mixed output)."""
+    reads the same input as rank 0: the checkpoint, the practice and every file it reads (a node-local copy of
+    another revision, a practice edited between the ranks' starts: either would make a mixed output)."""
     try:
         seen = (work_dir / _SHARED_TOKEN).read_text() == token
     except OSError:
         seen = False
-    differs = different_source(source, plan.source)  # each rank's plan read its own --model_path
+    differs = identity_difference(identity, plan.identity)  # each rank's plan read its own files
     ranks = torchrun.gather((place.rank, torchrun.host(), seen, differs))
     if place.is_main:
         # every rank has looked (gather is collective); a rank that failed may already have removed the folder
@@ -554,11 +592,12 @@ def _check_shared(plan: _Plan, work_dir: Path, token: str, source: dict[str, str
         raise UserError(f"--save_path {plan.save_path}: under torchrun it must be one directory that every node sees "
                         f"(a shared file system), but rank {rank} on {host} does not see {work_dir}, written by rank 0 "
                         f"({len(blind)} rank(s) blind)")
-    other = [(rank, host, key) for rank, host, _, key in ranks if key is not None]
+    other = [(rank, host, what) for rank, host, _, what in ranks if what is not None]
     if other:
-        rank, host, key = other[0]
-        raise UserError(f"--model_path {plan.model_path}: rank {rank} on {host} reads another checkpoint than rank 0 "
-                        f"(its {key} differs; {len(other)} rank(s) differ); every node needs the same files")
+        rank, host, what = other[0]
+        raise UserError(f"--model_path {plan.model_path} --config_path {plan.chosen.path}: rank {rank} on {host} "
+                        f"reads another input than rank 0: {what} ({len(other)} rank(s) differ); every node needs "
+                        f"the same files")
 
 
 def quant(args: QuantArgs) -> QuantResult:

@@ -5,7 +5,9 @@ The state lives in the run's temporary output (`.<name>.partial/` beside `--save
 process runs it), under `resume/`:
 
 - `fingerprint.json`: what the state belongs to (the source's config and index hashes, the practice's bytes, the
-  toolkit version, the device type and the rank count); `--resume` refuses state of another run;
+  content of every file the practice reads (fallback names files and reports, the calibration records and their
+  images), the toolkit version, the device type and the rank count); `--resume` refuses state of another run,
+  naming what differs;
 - `rank<r>/unit<k>.pt`, per rank after unit k (after every `spec.resume_every`-th unit and the last): the
   calibration state entering unit k + 1 (hidden states, attention residual blocks, MTP inputs; none after the last
   unit, which nothing follows), the savers' and the processors' state. Written to a temporary name, fsynced,
@@ -55,11 +57,35 @@ _DROPPED = "resume.dropped"  # the state's folder renamed away, then deleted
 KEEP = 3  # unit files per rank
 
 
-def fingerprint(source: dict[str, str], practice: bytes, device_type: str, world_size: int) -> dict[str, Any]:
+def fingerprint(source: dict[str, str], practice: bytes, inputs: dict[str, str], device_type: str,
+                world_size: int) -> dict[str, Any]:
+    """What the state belongs to: the run's input (`input_identity`), the toolkit and the ranks."""
     from msmodelslim import __version__
 
-    return {"source": source, "practice_sha256": hashlib.sha256(practice).hexdigest(), "toolkit": __version__,
-            "device_type": device_type, "world_size": world_size}
+    return {**input_identity(source, practice, inputs), "toolkit": __version__, "device_type": device_type,
+            "world_size": world_size}
+
+
+def input_identity(source: dict[str, str], practice: bytes, inputs: dict[str, str]) -> dict[str, Any]:
+    """Everything that decides a run's output: the checkpoint's identity, the practice's bytes and the content of
+    every file the practice reads (`inputs`: a name a user knows the file by -> sha256, app/quant.py
+    `practice_inputs`). A resume and every torchrun rank must agree on all of it (`identity_difference`)."""
+    return {"source": source, "practice_sha256": hashlib.sha256(practice).hexdigest(), "inputs": inputs}
+
+
+def identity_difference(recorded: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    """The first part of `input_identity` (or of a `fingerprint`) that differs, in words naming the file, else
+    None."""
+    from msmodelslim.formats.checkpoint import different_source
+
+    key = different_source(recorded.get("source") or {}, actual["source"])
+    if key is not None or set(recorded.get("source") or {}) != set(actual["source"]):
+        return f"the checkpoint (--model_path) differs (its {key or 'identity'})"
+    if recorded.get("practice_sha256") != actual["practice_sha256"]:
+        return "the practice differs (its bytes)"
+    before, now = recorded.get("inputs") or {}, actual["inputs"]
+    changed = sorted(name for name in set(before) | set(now) if before.get(name) != now.get(name))
+    return f"{changed[0]} differs (its content)" if changed else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -273,10 +299,11 @@ def check_fingerprint(recorded: dict[str, Any] | None, expected: dict[str, Any],
     """Refuse state of another run, naming the first thing that differs."""
     if recorded is None:
         raise UserError(f"--resume: {where} holds no resumable state; run without --resume")
-    labels = {"source": "the checkpoint (--model_path)", "practice_sha256": "the practice",
-              "toolkit": "the toolkit version", "device_type": "the device type", "world_size": "the rank count"}
+    differs = identity_difference(recorded, expected)
+    labels = {"toolkit": "the toolkit version", "device_type": "the device type", "world_size": "the rank count"}
     for key, label in labels.items():
-        if recorded.get(key) != expected.get(key):
-            raise UserError(f"--resume: the state in {where} belongs to another run: {label} differs (state "
-                            f"{recorded.get(key)!r}, now {expected.get(key)!r}); resume with the same arguments, "
-                            f"or discard the state with --fresh")
+        if differs is None and recorded.get(key) != expected.get(key):
+            differs = f"{label} differs (state {recorded.get(key)!r}, now {expected.get(key)!r})"
+    if differs is not None:
+        raise UserError(f"--resume: the state in {where} belongs to another run: {differs}; resume with the same "
+                        f"arguments and files, or discard the state with --fresh")

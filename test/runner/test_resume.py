@@ -412,3 +412,72 @@ def test_the_spilled_state_on_disk_stays_within_the_plans_bound(tiny_k3_checkpoi
     quant(args)
     assert 0 < peak[0] <= estimate["disk_bytes"], (peak[0], estimate)
     assert peak[0] < 2 * estimate["bytes_per_token"] * tokens, (peak[0], estimate)
+
+
+# --- the files a practice reads are part of the run's identity -----------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped_with_files(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace holding a practice that reads two files besides itself, a fallback's names file (`names.yaml`,
+    beside it) and its calibration set (`calib/index.jsonl`, relative to the working directory), and the state of a
+    run of it on one CPU process killed after layers.0 (run from the workspace)."""
+    import yaml
+
+    workspace = tmp_path_factory.mktemp("stopped_files")
+    data = yaml.safe_load(practice.read_text())
+    data["spec"]["dataset"] = "calib/index.jsonl"
+    data["spec"]["fallback"] = [{"to": "FLOAT", "names_file": "names.yaml"}]
+    (workspace / "p.yaml").write_text(yaml.safe_dump(data))
+    (workspace / "names.yaml").write_text("- language_model.model.layers.2.self_attn.o_proj\n")
+    (workspace / "calib" / "images").mkdir(parents=True)
+    image = REPO / "lab_calib" / "calibImages" / "images" / "bar_chart.png"
+    (workspace / "calib" / "images" / image.name).write_bytes(image.read_bytes())
+    (workspace / "calib" / "index.jsonl").write_text(
+        f'{{"image": "images/{image.name}", "text": "Which bar is the tallest?"}}\n'
+        '{"text": "Calibration needs some text too."}\n' * 2)
+    stop_after(command(tiny_k3_checkpoint, workspace / "out", "cpu", workspace / "p.yaml"), "layers.0",
+               "sigkill", workspace)
+    return workspace
+
+
+@pytest.mark.parametrize("edited", ["names.yaml", "calib/index.jsonl"])
+def test_resume_refuses_a_file_the_practice_reads_edited_since_the_stop_and_keeps_the_state(
+        tiny_k3_checkpoint, stopped_with_files, tmp_path, monkeypatch, capsys, edited):
+    """The practice's bytes are the same; the names file gained a name (a typo), or a calibration record changed:
+    the published output would match neither input. Reference: one line naming the file, the state untouched."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(stopped_with_files, workspace)
+    monkeypatch.chdir(workspace)
+    path = workspace / edited
+    path.write_text(path.read_text().replace("o_proj\n", "o_proj\n- language_model.model.layers.2.self_atn.q_proj\n")
+                    if edited == "names.yaml" else path.read_text().replace("tallest", "shortest"))
+    before = sorted(str(p.relative_to(workspace)) for p in (workspace / ".out.partial").rglob("*"))
+    line = refused([*command(tiny_k3_checkpoint, workspace / "out", "cpu", workspace / "p.yaml"), "--resume"],
+                   capsys)
+    name = ("spec.fallback[0].names_file names.yaml" if edited == "names.yaml"
+            else "the calibration dataset calib/index.jsonl")
+    assert f"belongs to another run: {name} differs (its content)" in line, line
+    assert sorted(str(p.relative_to(workspace)) for p in (workspace / ".out.partial").rglob("*")) == before
+
+
+def test_a_resume_refused_for_input_found_bad_mid_run_keeps_the_state(tiny_k3_checkpoint, stopped_with_files,
+                                                                     tmp_path, monkeypatch, capsys):
+    """A resume whose own run stops on a bad input (here the linear plan refuses, as it does for a fallback glob
+    that names no linear) leaves the interrupted run's state as it was, so that a fixed input resumes."""
+    from msmodelslim.errors import UserError
+    from msmodelslim.pipeline import launch
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(stopped_with_files, workspace)
+    monkeypatch.chdir(workspace)
+    args = [*command(tiny_k3_checkpoint, workspace / "out", "cpu", workspace / "p.yaml"), "--resume"]
+
+    def refuses(*a, **k):
+        raise UserError("spec.fallback[0]: 'language_model.model.layers.2.self_atn.q_proj' names none of the "
+                        "model's quantized linears")
+
+    before = sorted(str(p.relative_to(workspace)) for p in (workspace / ".out.partial").rglob("*"))
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "prepare_run", refuses)
+        assert "names none of the model's quantized linears" in refused(args, capsys)
+    assert sorted(str(p.relative_to(workspace)) for p in (workspace / ".out.partial").rglob("*")) == before
+    assert main(args) == 0 and (workspace / "out" / "quant_model_description.json").is_file()

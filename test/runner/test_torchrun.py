@@ -132,10 +132,47 @@ def test_a_node_with_other_weights_stops_every_rank_before_any_compute(tiny_k3_c
     for code, log in finish(*procs):
         errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
         assert code != 0 and len(errors) == 1, log[-3000:]
-        assert "rank 1 on" in errors[0] and "reads another checkpoint than rank 0 (its tensors_sha256 differs" \
-            in errors[0], errors[0]
+        assert "rank 1 on" in errors[0] and "reads another input than rank 0: the checkpoint (--model_path) " \
+            "differs (its tensors_sha256)" in errors[0], errors[0]
         assert "holds experts" not in log  # stopped before loading a weight
     assert sorted(os.listdir(tmp_path)) == ["node1_model"]
+
+
+def calibration_set(folder: Path, text: str) -> None:
+    """`folder/calib/index.jsonl`: one image record of lab_calib/calibImages with `text`."""
+    (folder / "calib" / "images").mkdir(parents=True)
+    image = REPO / "lab_calib" / "calibImages" / "images" / "bar_chart.png"
+    (folder / "calib" / "images" / image.name).write_bytes(image.read_bytes())
+    (folder / "calib" / "index.jsonl").write_text(f'{{"image": "images/{image.name}", "text": "{text}"}}\n' * 2)
+
+
+@pytest.mark.parametrize("differs", ["practice", "calibration dataset"])
+def test_ranks_started_with_other_inputs_stop_before_any_compute_naming_what_differs(tiny_k3_checkpoint, practice,
+                                                                                    tmp_path, differs):
+    """Node 1 starts with a practice of other bytes, or with the same practice whose relative spec.dataset finds
+    other records from its working directory: either would make a mixed output."""
+    import yaml
+
+    data = yaml.safe_load(practice.read_text())
+    data["spec"]["dataset"] = "calib/index.jsonl"
+    practices = [tmp_path / "p0.yaml", tmp_path / "p1.yaml"]
+    practices[0].write_text(yaml.safe_dump(data))
+    practices[1].write_text(yaml.safe_dump(data) + ("# edited on node 1\n" if differs == "practice" else ""))
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        calibration_set(tmp_path / f"node{node}", "What is shown?" if node == 0 or differs == "practice"
+                        else "What else is shown?")
+    launches = two_nodes(free_port())
+    procs = [torchrun(launches[node], tiny_k3_checkpoint, str(tmp_path / "out"), practices[node],
+                      tmp_path / f"node{node}") for node in (0, 1)]
+    expected = "the practice differs (its bytes)" if differs == "practice" else \
+        "the calibration dataset calib/index.jsonl differs (its content)"
+    for code, log in finish(*procs):
+        errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
+        assert code != 0 and len(errors) == 1, log[-3000:]
+        assert "rank 1 on" in errors[0] and f"reads another input than rank 0: {expected}" in errors[0], errors[0]
+        assert "holds experts" not in log  # stopped before loading a weight
+    assert not (tmp_path / "out").exists()
 
 
 def marked(marker: str) -> dict[int, int]:
