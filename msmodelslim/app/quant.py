@@ -31,7 +31,7 @@ import yaml
 
 from msmodelslim.app.practice import ChosenPractice, choose_practice
 from msmodelslim.core import torchrun
-from msmodelslim.core.calib import CalibRecord, load_calib_records
+from msmodelslim.core.calib import CalibRecord, practice_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.files import disk_full_error
@@ -202,7 +202,7 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     spec = chosen.practice.spec
     if args.calibration_dataset is not None:
         spec.dataset = args.calibration_dataset
-    records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
+    records = practice_records(spec)
     with_image = sum(r.image is not None for r in records)
     if not chosen.practice.is_multimodal and with_image:
         raise UserError(

@@ -29,7 +29,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from msmodelslim.core import ascend_check
-from msmodelslim.core.calib import load_calib_records
+from msmodelslim.core.calib import practice_records
 from msmodelslim.core.device import DeviceSpec, bind_device
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.files import disk_full_error
@@ -256,7 +256,7 @@ def run_service(request: QuantRequest) -> None:
     spec = request.practice.spec
     records = request.records
     if records is None:
-        records = load_calib_records(spec.dataset, spec.default_text, spec.max_samples)
+        records = practice_records(spec)
     world = request.device.world_size
     logger.info("%s: %d calibration records on %d device(s) (%s)", request.practice.apiversion, len(records),
                 world, request.device)

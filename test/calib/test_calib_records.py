@@ -119,3 +119,43 @@ def test_make_images_reproduces_the_shipped_pngs():
     for name, draw in module["DRAWINGS"].items():
         shipped = Image.open(resource_path("lab_calib") / "calibImages" / "images" / f"{name}.png").convert("RGB")
         assert draw().tobytes() == shipped.tobytes(), name
+
+
+def test_a_long_line_read_in_chunks_keeps_the_text_a_whole_parse_keeps(tmp_path):
+    """`_cut_long_line` against json.loads of the whole line, then the same character budget: texts of escapes
+    (quotes, backslashes, control characters, \\uXXXX with and without ensure_ascii, surrogate pairs) and multi-byte
+    UTF-8, chunks of random sizes, budgets of 1-40 characters. Tolerance: none (the same string)."""
+    import random
+
+    from msmodelslim.core.calib import _cut_long_line
+
+    rng = random.Random(0)
+    alphabet = ["a", " ", "\n", "\\", '"', "é", "中", "😀", "\t", "\u2028", "/", "\x01"]
+    for _ in range(1000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+        line = json.dumps({"text": text, "image": None}, ensure_ascii=rng.random() < 0.5).encode() + b"\n"
+        budget = rng.randint(1, 40)
+        cuts = sorted({0, len(line), *(rng.randrange(len(line)) for _ in range(rng.randint(0, 20)))})
+        chunks = [line[a:b] for a, b in zip(cuts, cuts[1:])]
+        kept = json.loads(_cut_long_line(iter(chunks), 12 * budget, "x").decode("utf-8"))["text"]
+        assert kept[:budget] == text[:budget], (text, budget)
+
+
+def test_a_record_far_longer_than_max_seq_len_is_cut_as_it_is_read(tmp_path):
+    """A 32 MB record under max_seq_len 64: its text is cut to 64 * CHARS_PER_TOKEN characters (the same as
+    cutting the whole text), and reading it allocates a bounded amount (tracemalloc's peak, a few MiB for the
+    1 MiB chunks and what is kept), not the line's 32 MB."""
+    import tracemalloc
+
+    from msmodelslim.core.calib import CHARS_PER_TOKEN
+
+    text = "a few words of calibration text " * 1_000_000
+    index = make_set(tmp_path, [{"text": "short"}, {"text": text}, {"text": "after it"}])
+    tracemalloc.start()
+    try:
+        records = load_calib_records(str(index), default_text="", max_seq_len=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.text for r in records] == ["short", text[:64 * CHARS_PER_TOKEN], "after it"]
+    assert peak < 8 << 20, peak
