@@ -42,7 +42,6 @@ from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
 from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
-from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +65,7 @@ class QuantArgs:
     calibration_dataset: str | None = None  # replaces the practice's spec.dataset (msModelSlim's spelling)
     resume: bool = False  # continue the interrupted run of this save_path from its kept state
     fresh: bool = False  # discard such state and start over
+    resumable: bool = True  # keep resumable state when stopped; a round of `tune` has none (tune has no --resume)
 
 
 @dataclass
@@ -326,7 +326,7 @@ def _side_name(save_path: Path, kind: str) -> Path:
 
 
 @contextlib.contextmanager
-def _output_lock(save_path: Path) -> Iterator[None]:
+def output_lock(save_path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `save_path` for the whole run (a second run fails at once, not after hours)."""
     path = _side_name(save_path, "lock")
     try:
@@ -363,24 +363,6 @@ def _check_free_space(model_path: Path, save_path: Path) -> None:
     if free < needed:
         raise UserError(f"--save_path {save_path}: {where} has {free / 2**30:.2f} GiB free; the output "
                         f"of {model_path.name} can take up to {needed / 2**30:.2f} GiB")
-
-
-def _check_label_kept(work_dir: Path, chosen: ChosenPractice) -> None:
-    """The output must hold what the practice's label promises (`w4a8` -> a W4A8_DYNAMIC or W4A8_MXFP tensor)."""
-    label = chosen.practice.metadata.label
-    if label.w_bit >= 16 and label.a_bit >= 16:
-        return
-    promised = sorted(s.name for s in SCHEMES.values()
-                      if (s.weight.bits, s.act.bits if s.act else 16) == (label.w_bit, label.a_bit))
-    description = json.loads((work_dir / DESCRIPTION_FILE).read_text(encoding="utf-8"))
-    if not set(promised) & {v for v in description.values() if isinstance(v, str)}:
-        if chosen.practice.spec.fallback:  # asked for: the fallback moved every linear of the label's schemes
-            logger.warning("%s: labelled %s, but its spec.fallback moved every %s linear to a higher precision",
-                           chosen.path, chosen.practice.quant_type, " / ".join(promised))
-            return
-        raise UserError(f"{chosen.path}: the practice is labelled {chosen.practice.quant_type}, but it quantized no "
-                        f"tensor {' or '.join(promised) or '(no scheme has these bits)'} (check the include / "
-                        f"exclude globs of its quantizers)")
 
 
 @dataclass
@@ -471,7 +453,8 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
 
 
 @contextlib.contextmanager
-def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: bool = False) -> Iterator[None]:
+def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: bool = False,
+                resumable: bool = True) -> Iterator[None]:
     """Whatever fails inside: `_failed` decides what stays, and a signal is re-raised as the signal."""
     try:
         yield
@@ -483,7 +466,7 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: 
             error = stop.replace(exc)
             if isinstance(error, Exception) and not isinstance(error, UserError):
                 error = disk_full_error(work_dir, error) or error  # the publish's own writes
-            _failed(work_dir, world, error, *files, resumed=resumed)
+            _failed(work_dir, world, error, *files, resumed=resumed, resumable=resumable)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if error is exc:
@@ -491,12 +474,13 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: 
         raise error from None
 
 
-def _failed(work_dir: Path, world: int, error: BaseException, *files: Path, resumed: bool = False) -> None:
+def _failed(work_dir: Path, world: int, error: BaseException, *files: Path, resumed: bool = False,
+            resumable: bool = True) -> None:
     """After a failure: keep resumable state (and say how to use it), else remove the temporary output. A bad input
     found mid-run (a NaN in a layer, say) discards it too: the run cannot go on with that input, and fixing it makes
     another run. A resumed run never discards: the state it continued was good, and whatever the new attempt was
     refused for (a typo in a file it reads) the user can fix and resume again."""
-    keep = resumed or isinstance(error, ResumableError) or not isinstance(error, UserError)
+    keep = resumable and (resumed or isinstance(error, ResumableError) or not isinstance(error, UserError))
     if keep and ResumeState(work_dir).resume_point(world) is not None:
         logger.warning("the run can be resumed: the same command with --resume continues after the last unit every "
                        "rank finished; --fresh starts over (the state is in %s)", work_dir)
@@ -506,10 +490,9 @@ def _failed(work_dir: Path, world: int, error: BaseException, *files: Path, resu
 
 
 def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
-    """Check what the ranks wrote, add the practice, publish with one rename."""
+    """Add the practice to what the ranks wrote, publish with one rename."""
     if not (work_dir / DESCRIPTION_FILE).is_file():
         raise RuntimeError(f"the quant service finished without writing {DESCRIPTION_FILE} in {work_dir}")
-    _check_label_kept(work_dir, plan.chosen)
     (work_dir / practice_file_name(args.model_type)).write_bytes(plan.practice_data)
     ResumeState(work_dir).invalidate()  # the runner dropped it before the merge; a report-only run has none
     _publish(work_dir, plan.save_path)
@@ -530,11 +513,12 @@ def _remove_output(work_dir: Path | None, *files: Path) -> None:
 
 def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:
     """The built-in launch: this process holds the output and starts one process per device of this host."""
-    with sigterm_raises() as stop, _output_lock(plan.save_path):
+    with sigterm_raises() as stop, output_lock(plan.save_path):
         _check_save_path(plan.model_path, plan.save_path)  # again under the lock: a run may have just published
         _check_free_space(plan.model_path, plan.save_path)
         work_dir, after = _open_work_dir(plan, args)
-        with _on_failure(stop, work_dir, plan.device.world_size, resumed=after is not None):
+        with _on_failure(stop, work_dir, plan.device.world_size, resumed=after is not None,
+                         resumable=args.resumable):
             run_quant_service(plan, args, work_dir, after)
             _finish_output(plan, args, work_dir)
 
@@ -552,7 +536,7 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                 identity = plan.identity if place.is_main else None
                 if place.is_main:
                     try:
-                        held.enter_context(_output_lock(plan.save_path))
+                        held.enter_context(output_lock(plan.save_path))
                         _check_save_path(plan.model_path, plan.save_path)
                         _check_free_space(plan.model_path, plan.save_path)
                         work_dir, after = _open_work_dir(plan, args)
@@ -564,7 +548,8 @@ def _quant_torchrun(plan: _Plan, args: QuantArgs, place: TorchrunRank) -> None:
                     raise UserError(error)
                 # rank 0 may be killed holding the lock: another rank removes it then
                 lock = () if place.is_main else (_side_name(plan.save_path, "lock"),)
-                with _on_failure(stop, work_dir, plan.device.world_size, *lock, resumed=after is not None):
+                with _on_failure(stop, work_dir, plan.device.world_size, *lock, resumed=after is not None,
+                                 resumable=args.resumable):
                     _check_shared(plan, work_dir, token, identity, place)
                     run_quant_service(plan, args, work_dir, after)
                     if place.is_main:
@@ -646,7 +631,8 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     # one process's adapter: the model on the meta device, the checkpoint's headers checked, no weight read
     adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)
     try:
-        samples, processors = prepare_run(adapter, checked.records, spec, world=checked.device.world_size)
+        samples, processors = prepare_run(adapter, checked.records, spec, world=checked.device.world_size,
+                                          label=checked.chosen.practice.metadata.label)
         tokens = sum(map(sample_tokens, samples))
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
         largest = max(map(sample_tokens, samples), default=0)

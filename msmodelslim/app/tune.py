@@ -6,9 +6,13 @@ perplexity against the original (`msmodelslim eval` on `--dataset`) and, while t
 one step up: a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of
 a fused serving layer moves its whole group, and at most `--step` percent of the quantized linears move per round
 (processor/fallback.py `worst_within`). Each round's practice is the original with an explicit `spec.fallback`, so it is
-self-contained; the round that meets the target (or, with `--max_rounds` spent, the best one) is published at
-`--save_path` with that practice beside it. Rounds are built in `.<name>.tune/` beside the output, removed at the
-end, on a failure and on SIGINT / SIGTERM.
+self-contained; it names the fallen-back linears as processor/fallback.py `with_groups` does (a layer's routed
+experts as one glob), so that it stays a few KiB on a model of Kimi-K3's size (spelled out, a tenth of its ~250k
+linears passed the 1 MiB practice limit). The round that meets the target (or, with `--max_rounds` spent, the best
+one) is published at `--save_path` with that practice beside it. Everything `tune` takes is checked before round 0
+(the quant run's checks, the evaluation text long enough for its windows); the output is locked for the whole tune.
+Rounds are built in `.<name>.tune/` beside the output, removed at the end, on a failure and on SIGINT / SIGTERM: an
+interrupted tune starts over (it has no `--resume`, and its rounds keep no resumable state).
 
 Every round quantizes the whole model again: the units after the first changed one see other inputs, and a round
 resumed from a kept state would need every unit's calibration state kept (hidden states of all tokens per unit).
@@ -20,19 +24,18 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from msmodelslim.app.practice import choose_practice
-from msmodelslim.app.quant import NAME_MAX, QuantArgs, quant, sigterm_raises
+from msmodelslim.app.quant import NAME_MAX, QuantArgs, check_request, output_lock, quant, sigterm_raises
 from msmodelslim.core.device import parse_device
 from msmodelslim.core.report import REPORT_FILE, ranked, read_report
 from msmodelslim.errors import UserError
-from msmodelslim.model.registry import load_registry
-from msmodelslim.processor.fallback import serving_groups, worst_within
+from msmodelslim.eval.perplexity import check_eval_args, eval_windows
+from msmodelslim.processor.fallback import serving_groups, with_groups, worst_within
 from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -90,8 +93,7 @@ def _check(args: TuneArgs) -> None:
         raise UserError(f"--max_rounds {args.max_rounds}: must be at least 1")
     if not 0 < args.step <= 100:
         raise UserError(f"--step {args.step}: must be a percentage in (0, 100]")
-    if not Path(args.dataset).is_file():
-        raise UserError(f"--dataset {args.dataset}: evaluation text file not found")
+    check_eval_args(args.dataset, args.seq_len, args.max_windows)
     save = Path(args.save_path)
     if save.exists() and (not save.is_dir() or any(save.iterdir())):
         raise UserError(f"--save_path {save}: exists and is not an empty directory (msmodelslim never overwrites "
@@ -100,9 +102,11 @@ def _check(args: TuneArgs) -> None:
         raise UserError(f"--save_path {save}: the name is too long for the rounds' folders beside it")
 
 
-def _practice_with(base: dict[str, Any], base_dir: Path, fallback: dict[str, str]) -> dict[str, Any]:
-    """The practice `base` (read from `base_dir`) with `fallback` as explicit entries after its own, whose files
-    are made absolute so the round's practice reads them from anywhere."""
+def _practice_with(base: dict[str, Any], base_dir: Path, fallback: dict[str, str],
+                   fused: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """The practice `base` (read from `base_dir`) with `fallback` as explicit entries after its own, each scheme's
+    linears as `with_groups` names them, the base's files made absolute so the round's practice reads them from
+    anywhere."""
     practice = yaml.safe_load(yaml.safe_dump(base))
     entries = practice["spec"].get("fallback") or []
     for entry in entries:
@@ -110,9 +114,9 @@ def _practice_with(base: dict[str, Any], base_dir: Path, fallback: dict[str, str
             if entry.get(key):
                 entry[key] = str((base_dir / entry[key]).resolve())
     for scheme in ("W8A8_DYNAMIC", "W8A8_MXFP8", "FLOAT"):
-        names = sorted(n for n, s in fallback.items() if s == scheme)
+        names = {n for n, s in fallback.items() if s == scheme}
         if names:
-            entries.append({"to": scheme, "names": names})
+            entries.append({"to": scheme, "names": with_groups(names, fused)})
     practice["spec"]["fallback"] = entries
     return practice
 
@@ -121,30 +125,31 @@ def tune(args: TuneArgs) -> TuneResult:
     from msmodelslim.eval import evaluate
 
     _check(args)
-    entry = load_registry().resolve(args.model_type)
-    chosen = choose_practice(args.model_type, entry.group, args.quant_type, args.config_path, tags=args.tags)
-    base = yaml.safe_load(chosen.path.read_text(encoding="utf-8"))
     save_path = Path(args.save_path).expanduser().absolute()
     rounds_dir = save_path.parent / f".{save_path.name}.tune"
-    if rounds_dir.exists():
-        raise UserError(f"--save_path {save_path}: {rounds_dir} exists (another tune of this output, or one that "
-                        f"was killed); remove it first")
+    quant_args = QuantArgs(model_path=args.model_path, save_path=str(rounds_dir / "round0"),
+                           model_type=args.model_type, device=args.device, quant_type=args.quant_type,
+                           config_path=args.config_path, trust_remote_code=args.trust_remote_code, tags=args.tags,
+                           calibration_dataset=args.calibration_dataset, resumable=False)
+    plan = check_request(quant_args)  # every check of a quant run, before round 0
+    base = yaml.safe_load(plan.chosen.path.read_text(encoding="utf-8"))
     eval_device = str(parse_device(args.device).torch_device(0))
     result = TuneResult()
     fallback: dict[str, str] = {}
-    groups: dict[str, list[str]] = {}
-    with sigterm_raises():
+    with sigterm_raises(), output_lock(save_path):
+        if rounds_dir.exists():
+            raise UserError(f"--save_path {save_path}: {rounds_dir} exists (left by a tune that was killed); "
+                            f"remove it first")
+        fused = _fused_groups_checking_the_text(plan, args)
+        groups = serving_groups(fused)
         rounds_dir.mkdir(parents=True)
         try:
             for index in range(args.max_rounds):
                 practice_file = rounds_dir / f"round{index}.yaml"
-                practice_file.write_text(yaml.safe_dump(_practice_with(base, chosen.path.parent, fallback),
-                                                        sort_keys=False), encoding="utf-8")
+                practice_file.write_text(yaml.safe_dump(_practice_with(base, plan.chosen.path.parent, fallback,
+                                                                       fused), sort_keys=False), encoding="utf-8")
                 output = rounds_dir / f"round{index}"
-                quant(QuantArgs(model_path=args.model_path, save_path=str(output), model_type=args.model_type,
-                                device=args.device, config_path=str(practice_file),
-                                trust_remote_code=args.trust_remote_code,
-                                calibration_dataset=args.calibration_dataset))
+                quant(replace(quant_args, save_path=str(output), quant_type=None, config_path=str(practice_file)))
                 measured = evaluate(args.model_path, output, args.dataset, device=eval_device, seq_len=args.seq_len,
                                     max_windows=args.max_windows, trust_remote_code=args.trust_remote_code,
                                     model_type=args.model_type,  # the original once, in round 0
@@ -160,7 +165,6 @@ def tune(args: TuneArgs) -> TuneResult:
                     result.reached = True
                     break
                 if index + 1 < args.max_rounds:
-                    groups = groups or _groups(entry.load_adapter_class(), args.model_path, args.trust_remote_code)
                     stepped = _step_up(output, fallback, args.step, groups)
                     if stepped == fallback:  # every linear is FLOAT already: no round can do better
                         logger.warning("tune: nothing left to fall back after round %d", index)
@@ -177,6 +181,17 @@ def tune(args: TuneArgs) -> TuneResult:
     return result
 
 
+def _fused_groups_checking_the_text(plan: Any, args: TuneArgs) -> list[tuple[str, list[str]]]:
+    """The model's fused serving layers, from its skeleton (no weight read), and, with its tokenizer, whether the
+    evaluation text fills the windows: both before round 0."""
+    adapter = plan.adapter_cls(plan.model_path, trust_remote_code=args.trust_remote_code)
+    try:
+        eval_windows(adapter, Path(args.dataset), args.seq_len, args.max_windows)
+        return adapter.fused_groups()
+    finally:
+        adapter.close()
+
+
 def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[str, list[str]]) -> dict[str, str]:
     """`fallback` with the next worst linears of `output`'s report moved one step up, with their fused groups, at
     most `step` percent of the quantized linears (module docstring)."""
@@ -187,12 +202,3 @@ def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[s
     for name in worst:
         out[name] = next_scheme(report[name]["scheme"])
     return out
-
-
-def _groups(adapter_cls: type, model_path: str, trust_remote_code: bool) -> dict[str, list[str]]:
-    """The fused serving groups of the model, from its skeleton (no weight read)."""
-    adapter = adapter_cls(Path(model_path), trust_remote_code=trust_remote_code)
-    try:
-        return serving_groups(adapter.fused_groups())
-    finally:
-        adapter.close()

@@ -214,6 +214,36 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return spec.torch_device(0)
 
 
+def check_eval_args(dataset: str | Path, seq_len: int, max_windows: int | None) -> Path:
+    """The evaluation's own arguments, checked before anything runs (`msmodelslim tune` checks them before its
+    first quantization); the text file as a Path."""
+    if seq_len < 2:
+        raise UserError(f"seq_len must be at least 2, got {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise UserError(f"max_windows must be at least 1, got {max_windows}")
+    dataset = Path(dataset)
+    if dataset.exists() and not dataset.is_file():
+        raise UserError(f"{dataset}: the evaluation text is not a regular file (a pipe, device or socket cannot be "
+                        f"read as one)")
+    if not dataset.is_file():
+        raise UserError(f"{dataset}: evaluation text file not found")
+    return dataset
+
+
+def eval_windows(adapter: ModelAdapter, dataset: Path, seq_len: int, max_windows: int | None) -> list[torch.Tensor]:
+    """The token windows of the text file `dataset` (UserError when it is not UTF-8 or too short)."""
+    try:
+        text = dataset.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{dataset}: the evaluation text is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{dataset}: cannot read the evaluation text ({exc.strerror})") from None
+    windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
+    if not windows:
+        raise UserError(f"{dataset}: fewer than seq_len={seq_len} tokens")
+    return windows
+
+
 def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path, device: str | torch.device = "cpu",
              seq_len: int = 512, max_windows: int | None = 32, trust_remote_code: bool = False,
              model_type: str = "Kimi-K3", adapter: ModelAdapter | None = None,
@@ -224,13 +254,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
     `device`) overrides the config.ini lookup of `model_type`; `ppl_orig`, the original's perplexity from an earlier
     call with the same text and windows, spares its forward (`msmodelslim tune` evaluates every round).
     """
-    if seq_len < 2:
-        raise UserError(f"seq_len must be at least 2, got {seq_len}")
-    if max_windows is not None and max_windows < 1:
-        raise UserError(f"max_windows must be at least 1, got {max_windows}")
-    dataset = Path(dataset)
-    if not dataset.is_file():
-        raise UserError(f"{dataset}: evaluation text file not found")
+    dataset = check_eval_args(dataset, seq_len, max_windows)
     dev = _resolve_device(device)
     reader = AscendV1Reader(quant_path)
     check_same_source(model_path, reader)
@@ -242,10 +266,7 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
         cls = resolve_model_type(model_type).load_adapter_class()
         adapter = cls(model_path, trust_remote_code=trust_remote_code, dist=DistContext(device=dev))
     try:
-        text = dataset.read_text(encoding="utf-8")
-        windows = make_windows(tokenize(adapter, text), seq_len, max_windows)
-        if not windows:
-            raise UserError(f"{dataset}: fewer than seq_len={seq_len} tokens")
+        windows = eval_windows(adapter, dataset, seq_len, max_windows)
         compute_dtype = getattr(adapter, "dtype", torch.bfloat16)
         result = layerwise_perplexity(adapter, windows, dev, reader, compute_dtype, ppl_orig)
     finally:

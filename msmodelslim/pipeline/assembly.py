@@ -12,23 +12,26 @@ from typing import Any
 
 import torch
 
-from msmodelslim.core.config import FallbackConfig
+from msmodelslim.core.config import FallbackConfig, Label
 from msmodelslim.core.dist import DistContext, current_token_source
+from msmodelslim.errors import UserError
+from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.resume import KEEP
 from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
+from msmodelslim.quant.modules import SCHEMES
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 
 
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int | None = None,
-                ) -> tuple[list[dict[str, Any]], list[Any]]:
+                label: Label | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """The calibration samples and the processors, with every check that needs no compute: a plan that matches
-    nothing fails here, before any compute (a run and `--plan` both go through this). `world`: the ranks the samples
-    are dealt to (default the adapter's)."""
+    nothing, or that cannot produce what the practice's `label` promises, fails here, before any compute (a run and
+    `--plan` both go through this). `world`: the ranks the samples are dealt to (default the adapter's)."""
 
     adapter.serve_on(spec.serving)
     adapter.calibrate_experts_on_all_tokens(spec.calibrate_all_experts)
@@ -43,7 +46,29 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     for processor in processors:
         processor.preflight(adapter, schemes)
     check_plan(processors, planned, adapter)
+    if label is not None:
+        check_label(label, set(schemes.values()), bool(spec.fallback))
     return samples, processors
+
+
+def check_label(label: Label, planned: set[str], fallback: bool) -> None:
+    """The plan must hold a linear of a scheme the practice's label promises (`w4a8` -> W4A8_DYNAMIC or W4A8_MXFP):
+    a practice labelled w4a8 whose quantizers give W8A8 would run for hours to write what its name denies. A
+    fallback that moved every such linear up was asked for: it is said, not refused."""
+    if label.w_bit >= 16 and label.a_bit >= 16:
+        return
+    promised = sorted(s.name for s in SCHEMES.values()
+                      if (s.weight.bits, s.act.bits if s.act else 16) == (label.w_bit, label.a_bit))
+    if set(promised) & planned:
+        return
+    if fallback:
+        logger.warning("the practice is labelled %s, but its spec.fallback moves every %s linear to a higher "
+                       "precision", label.quant_type, " / ".join(promised))
+        return
+    raise UserError(f"the practice is labelled {label.quant_type} (metadata.label), but its quantizers give no "
+                    f"linear {' or '.join(promised) or '(no scheme has these bits)'}: they give "
+                    f"{', '.join(sorted(planned - {FLOAT})) or 'none'} (check their qconfig and include / exclude "
+                    f"globs, or the label)")
 
 
 def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> dict[str, Any]:

@@ -190,7 +190,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None:
             _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
-        samples, processors = prepare_run(adapter, records, spec)
+        samples, processors = prepare_run(adapter, records, spec, label=request.practice.metadata.label)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]

@@ -80,7 +80,7 @@ def _chosen(entry: FallbackConfig, index: int, quantized: list[str], groups: dic
     return chosen
 
 
-def _with_groups(chosen: set[str], fused: list[tuple[str, list[str]]]) -> list[str]:
+def with_groups(chosen: set[str], fused: list[tuple[str, list[str]]]) -> list[str]:
     """`chosen` and every other member of a fused group one of them is in, as globs: a group whose shards all sit
     under its fused name (a layer's experts) as one `<group>.*`, other shards by name."""
     globs: set[str] = set()
@@ -110,7 +110,7 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
     higher: list[tuple[str, list[str]]] = []  # (scheme, globs)
     for i, entry in enumerate(entries):
         chosen = _chosen(entry, i, quantized, groups)
-        globs = _with_groups(chosen, fused)
+        globs = with_groups(chosen, fused)
         moved = sum(1 for name in quantized if matching(name, globs))
         logger.info("spec.fallback[%d]: %d linears to %s (%d named, the rest share a fused serving layer with one)",
                     i, moved, entry.to, len(chosen))
@@ -120,7 +120,13 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
             higher.append((entry.to, globs))
     out = [LinearQuantProcessor(replace(p.config, exclude=p.config.exclude + to_float))
            if to_float and isinstance(p, LinearQuantProcessor) else p for p in processors]
-    first = next(i for i, p in enumerate(out) if isinstance(p, LinearQuantProcessor))
+    if to_float:  # an entry all of whose linears fell back to FLOAT goes; the label check says what the output lost
+        kept = set(map(id, planned_configs(out, adapter).values()))
+        for p in [p for p in out if isinstance(p, LinearQuantProcessor) and id(p.config) not in kept]:
+            logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it goes",
+                        p.config.scheme.name)
+            out.remove(p)
+    first = next((i for i, p in enumerate(out) if isinstance(p, LinearQuantProcessor)), len(out))
     # the fallback entries run before the practice's own: the first matching entry wins
     out[first:first] = [LinearQuantProcessor(LinearQuantConfig(
         qconfig=next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)

@@ -335,6 +335,15 @@ def shard_is_a_fifo_under_plan(model: Path, ws: Path) -> list[str]:
     return [*shard_is_a_fifo(model, ws), "--plan"]
 
 
+def label_its_quantizers_cannot_produce(model: Path, ws: Path) -> list[str]:
+    # labelled w4a8, but its expert entry now writes int8 weights: hours of compute for a W8A8 model
+    return practice(ws, {"weight: {scope: per_channel, dtype: int4": "weight: {scope: per_channel, dtype: int8"})
+
+
+def label_its_quantizers_cannot_produce_under_plan(model: Path, ws: Path) -> list[str]:
+    return [*label_its_quantizers_cannot_produce(model, ws), "--plan"]
+
+
 def practice_is_dev_zero(model: Path, ws: Path) -> list[str]:
     return ["--config_path", "/dev/zero"]
 
@@ -440,6 +449,11 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                                          r"regular file"),
     "shard_is_a_fifo_under_plan": (shard_is_a_fifo_under_plan, r"shard model-\d+-of-\d+\.safetensors .* is not a "
                                                                r"regular file"),
+    "label_its_quantizers_cannot_produce": (label_its_quantizers_cannot_produce,
+                                            r"the practice is labelled w4a8 \(metadata.label\), but its quantizers "
+                                            r"give no linear W4A8_DYNAMIC or W4A8_MXFP: they give W8A8_DYNAMIC"),
+    "label_its_quantizers_cannot_produce_under_plan": (label_its_quantizers_cannot_produce_under_plan,
+                                                       r"the practice is labelled w4a8 \(metadata.label\)"),
     "practice_is_a_fifo": (practice_is_a_fifo, r"practice path \S+practice\.yaml is not a regular file"),
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
     "calibration_dataset_is_dev_zero": (calibration_dataset_is_dev_zero,

@@ -82,14 +82,14 @@ def test_a_save_path_filled_by_another_process_mid_run_gets_one_line_and_the_out
         tiny_k3_checkpoint, tmp_path, capsys, monkeypatch):
     from msmodelslim.app import quant as quant_mod
 
-    save, real = tmp_path / "out", quant_mod._check_label_kept
+    save, real = tmp_path / "out", quant_mod._publish
 
-    def another_process_writes_the_save_path(work_dir, chosen):
+    def another_process_writes_the_save_path(work_dir, save_path):
         save.mkdir(exist_ok=True)
         (save / "theirs.txt").write_text("not ours")
-        real(work_dir, chosen)
+        real(work_dir, save_path)
 
-    monkeypatch.setattr(quant_mod, "_check_label_kept", another_process_writes_the_save_path)
+    monkeypatch.setattr(quant_mod, "_publish", another_process_writes_the_save_path)
     code = main(quant_args(tiny_k3_checkpoint, save, []))
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if ERROR_LINE.match(line)]
