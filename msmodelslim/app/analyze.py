@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -165,12 +167,21 @@ def _with_practice(args: AnalyzeArgs, metric: str, tmp: Path) -> tuple[AnalyzeAr
 
 
 def _write_new(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (a temporary name renamed)."""
+    """Write `path` whole or not at all, and never over a file: the checks before the run found none, but another
+    process may have written one since (a hard link of a temporary file is made only where no file is). Such a
+    file stays; ours is kept beside it, and the error says where."""
     tmp = path.with_name(f".{path.name}.partial")
     try:
         tmp.write_text(text, encoding="utf-8")
-        tmp.rename(path)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            kept = path.with_name(f"{path.stem}.msmodelslim-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            os.link(tmp, kept)
+            raise UserError(f"{path}: another process wrote it during the analysis; it is left as it is, and "
+                            f"this analysis's file is {kept}") from None
     except OSError as exc:
+        raise UserError(f"{path}: cannot write it ({exc.strerror})") from None
+    finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise UserError(f"{path}: cannot write it ({exc.strerror})") from None

@@ -257,3 +257,28 @@ def test_an_interrupted_tune_offers_no_resume_and_leaves_nothing(tiny_k3_checkpo
     assert code == 130
     assert "--resume" not in capsys.readouterr().err + caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
+def test_analyze_never_overwrites_a_file_that_appeared_during_its_run(tiny_k3_checkpoint, tmp_path, capsys,
+                                                                      monkeypatch):
+    """--save_path did not exist when analyze checked it; another process writes it while the run computes. That
+    file stays as it was, the analysis's names are kept beside it, and the error line says where."""
+    from msmodelslim.app import analyze as analyze_mod
+
+    names = tmp_path / "disable.yaml"
+    real = analyze_mod.run_quant_service
+
+    def another_process_writes_it(*args, **kwargs):
+        real(*args, **kwargs)
+        names.write_text("theirs\n")
+
+    monkeypatch.setattr(analyze_mod, "run_quant_service", another_process_writes_it)
+    practice = minmax_everywhere("kimi_k3_w4a8.yaml", tmp_path / "p.yaml", max_samples=2, max_seq_len=32)
+    code = main(analyze_argv(tiny_k3_checkpoint, practice, "--save_path", str(names)))
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("msmodelslim: error: ")]
+    assert code == 2 and len(errors) == 1 and "another process wrote it during the analysis" in errors[0], err
+    assert names.read_text() == "theirs\n"
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("disable.msmodelslim-")]
+    assert len(kept) == 1 and "disable_names:" in kept[0].read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.yaml", "disable.yaml", kept[0].name])

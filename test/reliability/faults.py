@@ -357,6 +357,11 @@ def too_many_glob_patterns(model: Path, ws: Path) -> list[str]:
     return practice(ws, {'include: ["*experts.*"]': f"include: [{globs}]"})
 
 
+def too_many_fallback_patterns(model: Path, ws: Path) -> list[str]:
+    (ws / "names.yaml").write_text("".join(f'- "*layers.{i}.*"\n' for i in range(600)))
+    return [*practice(ws, {"  dataset:": "  fallback: [{to: FLOAT, names_file: names.yaml}]\n  dataset:"}), "--plan"]
+
+
 def control_characters_in_tag(model: Path, ws: Path) -> list[str]:
     return ["--tag", "Atlas_A2\x1b[2J\n12:00:00 INFO forged line"]
 
@@ -454,6 +459,9 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                                             r"give no linear W4A8_DYNAMIC or W4A8_MXFP: they give W8A8_DYNAMIC"),
     "label_its_quantizers_cannot_produce_under_plan": (label_its_quantizers_cannot_produce_under_plan,
                                                        r"the practice is labelled w4a8 \(metadata.label\)"),
+    "too_many_fallback_patterns": (too_many_fallback_patterns, r"spec.fallback\[0\].names \(with names_file "
+                                                               r"names.yaml\): 600 glob patterns, above the limit "
+                                                               r"of 512"),
     "practice_is_a_fifo": (practice_is_a_fifo, r"practice path \S+practice\.yaml is not a regular file"),
     "practice_is_dev_zero": (practice_is_dev_zero, r"practice path /dev/zero is not a regular file"),
     "calibration_dataset_is_dev_zero": (calibration_dataset_is_dev_zero,
