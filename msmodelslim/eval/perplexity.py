@@ -8,6 +8,13 @@ quantized pass computes what the runtime computes. Attentions the output quantiz
 their FA3 points from the adapter and quantizers from the stored scales (`install_attention_quantizers`). The
 `head` unit's logits give the NLL of each window's next
 tokens (fp32 log-softmax); ppl = exp(mean NLL over all predicted tokens). Vision units are skipped (text only).
+
+Perplexity alone cannot rank practices whose deltas are smaller than its noise. With both models evaluated, the
+head runs them side by side on each window and also gives the token-level KL divergence of the quantized model's
+next-token distribution from the original's (mean over predicted tokens) and their top-1 agreement. Each comes with a
+standard error over windows (the windows are of equal length: the standard deviation of the per-window means over
+sqrt(windows)); the perplexity delta's is taken from the paired per-window loss differences (delta method:
+ppl_quant / ppl_orig = exp(mean loss difference)).
 """
 
 from __future__ import annotations
@@ -45,6 +52,15 @@ class EvalResult:
     tokens: int  # predicted tokens (windows * (seq_len - 1))
     quantized_linears: int  # linears simulated with stored integers (every quantized linear of the output)
     quantized_attentions: int = 0  # attentions simulated with their stored FA3 points
+    # with the original evaluated too (module docstring); a standard error needs two windows (else None)
+    ppl_delta_se: float | None = None  # percent
+    kl: float | None = None  # nats per predicted token, KL(original || quantized)
+    kl_se: float | None = None
+    top1: float | None = None  # fraction of predicted tokens whose argmax agrees
+    top1_se: float | None = None
+
+
+METRICS = ("ppl", "kl", "top1")
 
 
 class RotatedLinear(nn.Module):
@@ -130,6 +146,24 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
     return float(-logp.double().sum()), int(target.numel())
 
 
+def _divergence(orig: torch.Tensor, quant: torch.Tensor) -> tuple[float, int]:
+    """Over a window's predicted positions: the sum of KL(p_orig || p_quant) (fp32 log-softmax, float64 sums) and
+    how many positions' argmax agree."""
+    log_o = torch.log_softmax(orig[0, :-1].float(), dim=-1)
+    log_q = torch.log_softmax(quant[0, :-1].float(), dim=-1)
+    kl = (log_o.exp() * (log_o - log_q)).sum(-1)
+    return float(kl.double().sum()), int((log_o.argmax(-1) == log_q.argmax(-1)).sum())
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None]:
+    """The mean and its standard error (None for fewer than two values)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
 def _run(adapter: ModelAdapter, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     with torch.no_grad(), heap_for_temporaries():
         return [adapter.forward_unit(unit, module, s) for s in states]
@@ -144,8 +178,10 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
         raise UserError("no evaluation window (text shorter than one window?)")
     variants = {"quant": reader} if ppl_orig is not None else {"orig": None, "quant": reader}
     states = {v: [{"input_ids": w, "need_logits": True} for w in windows] for v in variants}
-    nll = {v: 0.0 for v in variants}
-    count = {v: 0 for v in variants}
+    nll: dict[str, list[float]] = {v: [] for v in variants}  # per window
+    count: list[int] = []
+    kl: list[float] = []
+    agree: list[int] = []
     simulated: set[str] = set()
     attentions: set[str] = set()
     return_freed_tensors_to_os()  # one unit in memory at a time, as the runner
@@ -154,24 +190,34 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             continue
         if unit.kind == "mtp" and not any(name.startswith(unit.prefix) for name in reader.weight_map):
             continue  # left out of the output (spec.mtp: drop); perplexity reads the head's logits anyway
+        modules = {}
         for variant, unit_reader in variants.items():
             t0 = time.perf_counter()
             module = adapter.load_unit(unit, device, reader=unit_reader)
             if unit_reader is not None:
                 simulated.update(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
                 attentions.update(install_attention_quantizers(adapter, unit, module, unit_reader))
-            out = _run(adapter, unit, module, states[variant])
+            if unit.kind == "head":  # the variants side by side, a window at a time (module docstring)
+                modules[variant] = module
+                continue
+            states[variant] = _run(adapter, unit, module, states[variant])
             adapter.free_unit(unit, module)
-            if unit.kind == "head":
-                for state, window in zip(out, windows):
-                    s, n = _nll(state["logits"], window)
-                    nll[variant] += s
-                    count[variant] += n
-                states[variant] = []
-            else:
-                states[variant] = out
             logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
-    if count["quant"] == 0:
+        if unit.kind == "head":
+            for i, window in enumerate(windows):
+                logits = {v: _run(adapter, unit, modules[v], [states[v][i]])[0]["logits"] for v in variants}
+                for v in variants:
+                    s, n = _nll(logits[v], window)
+                    nll[v].append(s)
+                count.append(n)
+                if "orig" in variants:
+                    divergence, agreed = _divergence(logits["orig"], logits["quant"])
+                    kl.append(divergence)
+                    agree.append(agreed)
+            for module in modules.values():
+                adapter.free_unit(unit, module)
+            states = {v: [] for v in variants}
+    if not count:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
     unmatched = sorted(set(reader.quantized_linears()) - simulated)
     if unmatched:
@@ -181,11 +227,18 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized attention {unmatched[0]!r} (and {len(unmatched) - 1} more) is "
                          f"no attention with FA3 points of any text unit of {type(adapter).__name__}")
-    ppl = {"orig": ppl_orig, **{v: math.exp(nll[v] / count[v]) for v in variants}}
+    tokens = sum(count)
+    ppl = {"orig": ppl_orig, **{v: math.exp(math.fsum(nll[v]) / tokens) for v in variants}}
     logger.info("eval: %d quantized linears and %d quantized attentions simulated", len(simulated), len(attentions))
-    return EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
-                      windows=len(windows), tokens=count["quant"], quantized_linears=len(simulated),
-                      quantized_attentions=len(attentions))
+    result = EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
+                        windows=len(windows), tokens=tokens, quantized_linears=len(simulated),
+                        quantized_attentions=len(attentions))
+    if "orig" in variants:
+        loss_delta, loss_delta_se = _mean_se([(q - o) / n for q, o, n in zip(nll["quant"], nll["orig"], count)])
+        result.ppl_delta_se = None if loss_delta_se is None else 100.0 * math.exp(loss_delta) * loss_delta_se
+        result.kl, result.kl_se = _mean_se([d / n for d, n in zip(kl, count)])
+        result.top1, result.top1_se = _mean_se([a / n for a, n in zip(agree, count)])
+    return result
 
 
 def check_same_source(model_path: str | Path, reader: AscendV1Reader) -> None:
@@ -296,21 +349,47 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate at most this many windows from the start of the text")
     p.add_argument("--trust_remote_code", type=_bool, default=False, metavar="{True,False}")
     p.add_argument("--model_type", default="Kimi-K3", help="a display name from config/config.ini")
+    p.add_argument("--metrics", type=_metrics, default=METRICS, metavar="ppl,kl,top1",
+                   help="what the table shows (default all; the JSON line holds every figure)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     return p
 
 
+def _metrics(text: str) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in names if m not in METRICS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(METRICS)}, got {text!r}")
+    return names
+
+
+def _pm(value: float | None, se: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" + ("" if se is None else f" +- {se:.{digits}f}")
+
+
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """`msmodelslim eval ...`; prints a summary (or one JSON line with --json) and returns the exit code."""
+    """`msmodelslim eval ...`: a table of the metrics asked for, then one JSON line of every figure (with --json,
+    the JSON line alone); returns the exit code."""
     ns = build_parser().parse_args(None if argv is None else list(argv))
     result = evaluate(ns.model_path, ns.quant_path, ns.dataset, device=ns.device, seq_len=ns.seq_len,
                       max_windows=ns.max_windows, trust_remote_code=ns.trust_remote_code, model_type=ns.model_type)
+    line = json.dumps({**result, "ppl_delta": result["delta_pct"]})
     if ns.json:
-        print(json.dumps(result))
-    else:
-        print("msmodelslim eval")
-        print(f"  original   {ns.model_path}: ppl {result['ppl_orig']:.4f}")
-        print(f"  quantized  {ns.quant_path}: ppl {result['ppl_quant']:.4f} ({result['delta_pct']:+.2f}%)")
-        print(f"  text       {ns.dataset}: {result['windows']} windows x {ns.seq_len} tokens "
-              f"({result['tokens']} predicted)")
+        print(line)
+        return 0
+    print("msmodelslim eval")
+    print(f"  original   {ns.model_path}")
+    print(f"  quantized  {ns.quant_path}")
+    print(f"  text       {ns.dataset}: {result['windows']} windows x {ns.seq_len} tokens ({result['tokens']} "
+          f"predicted); +- is one standard error over windows")
+    if "ppl" in ns.metrics:
+        print(f"  perplexity {result['ppl_orig']:.4f} -> {result['ppl_quant']:.4f} "
+              f"({_pm(result['delta_pct'], result['ppl_delta_se'], 2)} %)")
+    if "kl" in ns.metrics:
+        print(f"  KL         {_pm(result['kl'], result['kl_se'], 5)} nats per token (original || quantized)")
+    if "top1" in ns.metrics:
+        print(f"  top-1      {_pm(result['top1'], result['top1_se'])} of next-token argmaxes agree")
+    print(line)
     return 0
