@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from safetensors.torch import load_file, save_file
+from reliability.faults import planted_outlier
 
 from msmodelslim.cli.main import main
 from msmodelslim.core.report import ranked
@@ -49,17 +49,7 @@ def analyze_argv(model: Path, practice: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def planted(tiny_k3_checkpoint, tmp_path_factory) -> Path:
     """The tiny Kimi-K3 with one input column of OUTLIER times 30 (other files linked)."""
-    out = tmp_path_factory.mktemp("planted") / "ckpt"
-    out.mkdir()
-    index = json.loads((tiny_k3_checkpoint / "model.safetensors.index.json").read_text())
-    shard = index["weight_map"][f"{OUTLIER}.weight"]
-    for f in tiny_k3_checkpoint.iterdir():
-        if f.name != shard:
-            (out / f.name).symlink_to(f)
-    tensors = load_file(str(tiny_k3_checkpoint / shard))
-    tensors[f"{OUTLIER}.weight"][:, 3] *= 30
-    save_file(tensors, str(out / shard), metadata={"format": "pt"})
-    return out
+    return planted_outlier(tiny_k3_checkpoint, tmp_path_factory.mktemp("planted") / "ckpt", OUTLIER, 3)
 
 
 def test_analyze_ranks_a_planted_outlier_first_and_writes_only_the_files_asked_for(planted, tmp_path, capsys,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from reliability.faults import planted_outlier
 
 from msmodelslim.eval.perplexity import _divergence, _mean_se
 
@@ -57,20 +57,6 @@ def minmax_practice(dest: Path) -> Path:
     return dest
 
 
-def planted_mini(out: Path) -> Path:
-    """kimi-linear-mini with one input column of OUTLIER times 30 (the other files linked)."""
-    out.mkdir()
-    index = json.loads((MINI / "model.safetensors.index.json").read_text())
-    shard = index["weight_map"][f"{OUTLIER}.weight"]
-    for f in MINI.iterdir():
-        if f.name != shard:
-            (out / f.name).symlink_to(f)
-    tensors = load_file(str(MINI / shard))
-    tensors[f"{OUTLIER}.weight"][:, 5] *= 30
-    save_file(tensors, str(out / shard), metadata={"format": "pt"})
-    return out
-
-
 def eval_json(model: Path, out: Path, capsys) -> dict:
     from msmodelslim.cli.main import main
 
@@ -88,7 +74,7 @@ def test_a_planted_outlier_left_in_raises_the_kl_by_more_than_two_standard_error
 
     practice = minmax_practice(tmp_path / "p.yaml")
     measured = {}
-    for name, model in (("plain", MINI), ("planted", planted_mini(tmp_path / "planted"))):
+    for name, model in (("plain", MINI), ("planted", planted_outlier(MINI, tmp_path / "planted", OUTLIER, 5))):
         quant(QuantArgs(model_path=str(model), save_path=str(tmp_path / f"{name}_out"), device="cpu",
                         model_type="Kimi-Linear", config_path=str(practice)))
         measured[name] = eval_json(model, tmp_path / f"{name}_out", capsys)

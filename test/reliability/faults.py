@@ -57,6 +57,20 @@ def edit_shard(model: Path, name: str, edit: Callable[[dict[str, torch.Tensor]],
     return shard
 
 
+def planted_outlier(source: Path, out: Path, linear: str, column: int, factor: float = 30.0) -> Path:
+    """`source` with one input column of `linear`'s weight times `factor`, in `out` (created; the other files
+    linked): a linear that quantizes badly, for tests that must find it."""
+    out.mkdir()
+    shard = weight_map(source)[f"{linear}.weight"]
+    for f in source.iterdir():
+        if f.name != shard:
+            (out / f.name).symlink_to(f)
+    tensors = load_file(str(source / shard))
+    tensors[f"{linear}.weight"][:, column] *= factor
+    save_file(tensors, str(out / shard), metadata={"format": "pt"})
+    return out
+
+
 def other_weights(model: Path) -> None:
     """Another training run of the same architecture: every tensor's values changed (floats doubled, MXFP4 codes
     flipped), every header, config.json and the index byte for byte as they were."""
