@@ -3,7 +3,10 @@ written AscendV1 output.
 
 Protocol (issue #4): the checkpoint's tokenizer without special tokens, non-overlapping 512-token windows of
 ../shared/data/text/python_tutorial.txt, the first 32; ppl_bf16 is the MXFP4-dequantised model, ppl_quant the
-output simulated at inference precision (int8 per-token activations, the written integer weights).
+output simulated at inference precision (int8 per-token activations, the written integer weights). Besides the
+perplexity delta: the KL divergence of the quantized model's next-token distribution from the original's and their
+top-1 agreement, each with a standard error over the windows (msmodelslim eval), which separate practices whose
+perplexity deltas are within noise.
 
     python bench/accuracy.py --model ../shared/models/kimi-linear-mini --recipe {rtn,quarot,iter_smooth,full,w4a4}
     python bench/accuracy.py --practice kimi_linear_w4a8_mxfp      # a shipped practice of lab_practice/kimi_k3
@@ -72,7 +75,9 @@ def main() -> None:
         "bench": "accuracy", "model": Path(args.model).name, "recipe": args.recipe, "device": args.device,
         "machine": machine(), "windows": result["windows"], "tokens": result["tokens"],
         "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
-        "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
+        "delta_pct": round(result["delta_pct"], 3), "delta_pct_se": round(result["ppl_delta_se"], 3),
+        "kl": round(result["kl"], 5), "kl_se": round(result["kl_se"], 5),
+        "top1": round(result["top1"], 4), "top1_se": round(result["top1_se"], 4), "quant_s": round(quant_s, 1),
         "process_s": {k.split(".", 1)[1]: round(v, 1) for k, v in sorted(stages.items()) if k.startswith("process.")},
         "eval_s": round(time.perf_counter() - start, 1),
         "output_mib": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20, 2),
