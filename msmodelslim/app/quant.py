@@ -304,7 +304,8 @@ def practice_inputs(chosen: ChosenPractice, records: list[CalibRecord]) -> dict[
             except OSError as exc:
                 raise UserError(f"spec.dataset {spec.dataset}: cannot read image {record.image} ({exc.strerror})") \
                     from None
-    out[f"the calibration dataset {spec.dataset}"] = records_digest.hexdigest()
+    # one name whatever the dataset's spelling (a relative path, --calibration_dataset): its content decides
+    out["the calibration dataset (spec.dataset)"] = records_digest.hexdigest()
     return out
 
 

@@ -454,7 +454,7 @@ def test_resume_refuses_a_file_the_practice_reads_edited_since_the_stop_and_keep
     line = refused([*command(tiny_k3_checkpoint, workspace / "out", "cpu", workspace / "p.yaml"), "--resume"],
                    capsys)
     name = ("spec.fallback[0].names_file names.yaml" if edited == "names.yaml"
-            else "the calibration dataset calib/index.jsonl")
+            else "the calibration dataset (spec.dataset)")
     assert f"belongs to another run: {name} differs (its content)" in line, line
     assert sorted(str(p.relative_to(workspace)) for p in (workspace / ".out.partial").rglob("*")) == before
 

@@ -166,7 +166,7 @@ def test_ranks_started_with_other_inputs_stop_before_any_compute_naming_what_dif
     procs = [torchrun(launches[node], tiny_k3_checkpoint, str(tmp_path / "out"), practices[node],
                       tmp_path / f"node{node}") for node in (0, 1)]
     expected = "the practice differs (its bytes)" if differs == "practice" else \
-        "the calibration dataset calib/index.jsonl differs (its content)"
+        "the calibration dataset (spec.dataset) differs (its content)"
     for code, log in finish(*procs):
         errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
         assert code != 0 and len(errors) == 1, log[-3000:]
