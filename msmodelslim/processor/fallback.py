@@ -66,7 +66,7 @@ def worst_within(ranking: list[str], groups: dict[str, list[str]], movable: set[
 
 def _chosen(entry: FallbackConfig, index: int, quantized: list[str], groups: dict[str, list[str]]) -> set[str]:
     """The quantized linears `entry` names; a glob that names none of them is an error. One pass over the linears
-    whatever the number of globs (plain names by set, patterns as one expression): a few hundred globs over Kimi-K3's
+    whatever the number of globs (compiled once, processor/globs.py): a few hundred globs over Kimi-K3's
     ~250k linears took minutes one glob at a time."""
     try:
         check_globs(entry.globs)
