@@ -75,9 +75,11 @@ def main() -> None:
         "bench": "accuracy", "model": Path(args.model).name, "recipe": args.recipe, "device": args.device,
         "machine": machine(), "windows": result["windows"], "tokens": result["tokens"],
         "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
-        "delta_pct": round(result["delta_pct"], 3), "delta_pct_se": round(result["ppl_delta_se"], 3),
-        "kl": round(result["kl"], 5), "kl_se": round(result["kl_se"], 5),
-        "top1": round(result["top1"], 4), "top1_se": round(result["top1_se"], 4), "quant_s": round(quant_s, 1),
+        "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
+        # a standard error needs two windows (eval gives None for one)
+        **{key: None if result[src] is None else round(result[src], 5) for key, src in (
+            ("delta_pct_se", "ppl_delta_se"), ("kl", "kl"), ("kl_se", "kl_se"), ("top1", "top1"),
+            ("top1_se", "top1_se"))},
         "process_s": {k.split(".", 1)[1]: round(v, 1) for k, v in sorted(stages.items()) if k.startswith("process.")},
         "eval_s": round(time.perf_counter() - start, 1),
         "output_mib": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20, 2),

@@ -158,7 +158,7 @@ def _cut_long_line(chunks: Iterator[bytes], keep: int, where: str) -> bytes:
                 out += chunk[pos:] if quote < 0 else chunk[pos:quote + 1]
                 if quote < 0:
                     break
-                pos, in_string, escaped, kept, start = quote + 1, True, False, 0, len(out) + 1
+                pos, in_string, escaped, kept, start = quote + 1, True, False, 0, len(out)  # content from here
                 continue
             if escaped:  # the byte after a backslash: never the string's end
                 if kept < keep:
@@ -175,7 +175,7 @@ def _cut_long_line(chunks: Iterator[bytes], keep: int, where: str) -> bytes:
                 break
             if chunk[end] == ord('"'):
                 if kept > keep:
-                    out[start - 1:] = _whole_tail(out[start - 1:])
+                    out[start:] = _whole_tail(out[start:])
                 out += b'"'
                 in_string, pos = False, end + 1
             else:
