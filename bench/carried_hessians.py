@@ -75,7 +75,7 @@ def main() -> None:
     adapter = KimiK3ModelAdapter(MINI)
     try:
         records = load_calib_records(str(ROOT / "lab_calib" / spec.dataset), spec.default_text, args.records)
-        samples, processors = prepare_run(adapter, records, spec)
+        samples, processors, _ = prepare_run(adapter, records, spec)
         probe = Probe()
         at = next(i for i, proc in enumerate(processors) if proc.name == "iter_smooth") + 1
         LayerWiseRunner(adapter, [*processors[:at], probe, *processors[at:]], [], background=False).run(samples)

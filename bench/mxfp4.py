@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from msmodelslim.formats.mxfp4 import decode_mxfp4  # noqa: E402
+from msmodelslim.source.mxfp4 import decode_mxfp4  # noqa: E402
 
 logger = logging.getLogger("bench.mxfp4")
 

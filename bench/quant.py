@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from msmodelslim.formats.checkpoint import open_checkpoint  # noqa: E402
 from msmodelslim.quant import QuantLinear, quantize_symmetric, ssz_scale_search  # noqa: E402
 from msmodelslim.quant.functional import quant_mse  # noqa: E402
+from msmodelslim.source.checkpoint import open_checkpoint  # noqa: E402
 
 logger = logging.getLogger("bench.quant")
 MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "kimi-linear-mini"

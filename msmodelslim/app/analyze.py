@@ -98,12 +98,11 @@ def quantized_linears(plan: Any, trust_remote_code: bool) -> list[str]:
     """The checkpoint names of the linears the practice quantizes, from the model's skeleton (no weight read),
     after every check a run makes before compute."""
     from msmodelslim.pipeline.assembly import prepare_run
-    from msmodelslim.processor.linear_quant import planned_configs
 
     adapter = plan.adapter_cls(plan.model_path, trust_remote_code=trust_remote_code)
     try:
-        _, processors = prepare_run(adapter, plan.records[:1], plan.chosen.practice.spec)
-        return sorted(name for name, cfg in planned_configs(processors, adapter).items() if cfg is not None)
+        _, _, linears = prepare_run(adapter, plan.records[:1], plan.chosen.practice.spec)
+        return sorted(linears.quantized())
     finally:
         adapter.close()
 

@@ -4,6 +4,8 @@ Every check a real run makes before compute runs here too, with the same one-lin
 the save path and its free space, the checkpoint's headers, the processors' preflight, the fused layers). Nothing is
 written, no weight is read: the model is built on the meta device. The plan reports
 
+- the serving target chosen, and whether each known target (target/profiles.py) loads the output, or the rule it
+  refuses it by;
 - the units in order;
 - per linear_quant entry, the linears it selects (first matching entry wins, as in a run): per unit kind and scheme;
 - the tensors that stay FLOAT;
@@ -18,33 +20,22 @@ written, no weight is read: the model is built on the meta device. The plan repo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.base import Unit
 from msmodelslim.pipeline.assembly import host_state
+from msmodelslim.quant.gptq import GPTQ_BATCH_BYTES
+from msmodelslim.target.linear_plan import LinearPlan, PlannedLinear
+from msmodelslim.target.rules import verdict
 
 RECORDS_FILE = Path(__file__).with_name("plan_records.json")
 GIB = 1024**3
 GPTQ_WORK = 4  # a GPTQ batch holds about this many times GPTQ_BATCH_BYTES (Hessians, factors, weights): npu.md
 HOST_BASE_GIB = 2.0  # a rank's interpreter, torch, the tokenizer and the meta model
 ACTIVATION_COPIES = 3  # per token of a micro-batch on the device: the unit's input, its output, the residual blocks
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    unit: Unit
-    name: str  # checkpoint name
-    out_features: int
-    in_features: int
-    scheme: str  # FLOAT when no linear_quant entry selects it
-    quantizer: int | None  # index of the linear_quant entry that quantizes it
-    method: str | None  # its weight method (gptq reads a Hessian)
-    expert: bool  # rank-local under EP
 
 
 def shards(sizes: list[int], limit: int) -> list[int]:
@@ -58,40 +49,25 @@ def shards(sizes: list[int], limit: int) -> list[int]:
     return out + ([pending] if pending else [])
 
 
-def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int, device_type: str,
+def build_plan(adapter: Any, plan: LinearPlan, save_config: Any, world: int, device_type: str,
                tokens: int, samples: int, largest_sample: int = 0, resume_every: int = 1) -> dict[str, Any]:
-    from msmodelslim.processor.linear_quant import GPTQ_BATCH_BYTES, LinearQuantProcessor, planned_configs
     from msmodelslim.processor.save.ascendv1_saver import quant_tensor_bytes, source_float_dtypes
 
-    quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
-    planned = planned_configs(processors, adapter)
-    entry_index = {id(q.config): i for i, q in enumerate(quantizers)}
     units = adapter.units()
-    linears: list[LinearPlan] = []
-    modules: dict[str, Any] = {}
-    for unit in units:
-        module = adapter.unit_module(unit)
-        for live, mod in module.named_modules():
-            if not live or not isinstance(mod, torch.nn.Linear):
-                continue
-            name = adapter.checkpoint_name(unit, live)
-            cfg = planned[name]
-            which = None if cfg is None else entry_index[id(cfg)]
-            linears.append(LinearPlan(unit, name, mod.out_features, mod.in_features,
-                                      cfg.scheme.name if cfg else FLOAT, which,
-                                      cfg.qconfig.weight.method if cfg else None, bool(adapter.is_rank_local(name))))
-            modules[name] = mod
-    quantized = {lp.name: lp for lp in linears if lp.scheme != FLOAT}
+    linears = list(plan.linears.values())
+    quantized = {lp.name: lp for lp in linears if lp.quantized}
+    biases = {name: mod.bias for unit in units for live, mod in adapter.unit_module(unit).named_modules()
+              if isinstance(mod, torch.nn.Linear) and (name := adapter.checkpoint_name(unit, live)) in quantized}
 
     selections = []
-    for i, q in enumerate(quantizers):
+    for i, entry in enumerate(plan.entries):
         counts: dict[str, dict[str, int]] = {}
         for lp in linears:
-            if lp.quantizer == i:
-                per_kind = counts.setdefault(lp.unit.kind, {})
-                per_kind[lp.scheme] = per_kind.get(lp.scheme, 0) + 1
-        selections.append({"processor": i, "scheme": q.config.scheme.name, "method": q.config.qconfig.weight.method,
-                           "include": list(q.config.include), "exclude": list(q.config.exclude),
+            if lp.entry == i:
+                per_kind = counts.setdefault(lp.kind, {})
+                per_kind[entry.scheme] = per_kind.get(entry.scheme, 0) + 1
+        selections.append({"processor": i, "scheme": entry.scheme, "method": entry.method,
+                           "include": list(entry.include), "exclude": list(entry.exclude),
                            "selected": sum(sum(c.values()) for c in counts.values()), "per_unit_kind": counts})
 
     # the output, tensor by tensor in unit order, split by owner
@@ -112,11 +88,11 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
             if lp is not None and leaf == "bias":
                 continue  # written with its linear
             if lp is not None and leaf == "weight":
-                bias = modules[owner].bias
-                size = quant_tensor_bytes(lp.out_features, lp.in_features, lp.scheme,
+                bias, entry = biases[owner], plan.entries[lp.entry]
+                size = quant_tensor_bytes(lp.out_features, lp.in_features, entry.scheme,
                                           owner.rsplit(".", 1)[-1] in row_parallel, splits,
                                           0 if bias is None else bias.numel() * default_float,
-                                          quantizers[lp.quantizer].config.qconfig.weight.group_size)
+                                          entry.group_size)
             else:
                 size = tensor.numel() * (source[name].itemsize if name in source else default_float) \
                     if tensor.is_floating_point() else tensor.numel() * tensor.element_size()
@@ -136,9 +112,10 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
     rank_shards += [[exp // world for exp in experts if exp] for _ in range(world - 1)]
     rank_bytes = [sum(r) for r in rank_shards]
 
-    memory = _memory(units, linears, unit_weights, world, largest_sample, GPTQ_BATCH_BYTES, limit)
+    memory = _memory(units, plan, unit_weights, world, largest_sample, GPTQ_BATCH_BYTES, limit)
     memory["host_state"] = host_state(adapter, tokens, world, resume_every)
     return {
+        "target": {"chosen": adapter.target.name, "verdicts": verdict(plan, adapter)},
         "units": [{"name": u.name, "kind": u.kind} for u in units],
         "linear_quant": selections,
         "float_tensors": {"count": len(floats), "names": floats},
@@ -146,12 +123,12 @@ def build_plan(adapter: Any, processors: list[Any], save_config: Any, world: int
                    "shards": [s for r in rank_shards for s in r if s], "part_file_size_gib": save_config.part_file_size},
         "memory_per_rank": memory,
         "calibration": {"samples": samples, "tokens": tokens, "ranks": world,
-                        "expert_coverage": _expert_coverage(adapter, linears, tokens)},
+                        "expert_coverage": _expert_coverage(adapter, plan, tokens)},
         "time": _time_estimate(adapter, device_type, world, units, tokens),
     }
 
 
-def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tuple[int, int]], world: int,
+def _memory(units: list[Unit], plan: LinearPlan, weights: dict[str, tuple[int, int]], world: int,
             sample_tokens: int, gptq_batch: int, part_bytes: int) -> dict[str, Any]:
     """docs/npu.md's model per unit: weights (bf16) + the GPTQ readers' float32 Hessians (one per input: readers
     of one module with one width share it) + a GPTQ batch's working set + the activations of one micro-batch (the
@@ -163,12 +140,12 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
         rep, exp = weights[unit.name]
         w = rep + exp / world
         inputs: dict[tuple[str, int], bool] = {}
-        for lp in linears:
-            if lp.unit.name == unit.name and lp.method == "gptq":
-                inputs[(lp.name.rpartition(".")[0], lp.in_features)] = lp.expert
+        for lp in plan.linears.values():
+            if lp.unit == unit.name and _method(plan, lp) == "gptq":
+                inputs[(lp.name.rpartition(".")[0], lp.in_features)] = lp.rank_local
         hessians = sum(4 * d * d / (world if expert else 1) for (_, d), expert in inputs.items())
         batch = min(hessians, GPTQ_WORK * gptq_batch) if hessians else 0
-        hidden = max((lp.in_features for lp in linears if lp.unit.name == unit.name), default=0)
+        hidden = max((lp.in_features for lp in plan.linears.values() if lp.unit == unit.name), default=0)
         activations = ACTIVATION_COPIES * 2 * hidden * sample_tokens
         device = w + hessians + batch + activations
         if worst is None or device > worst["device_bytes"]:
@@ -183,11 +160,16 @@ def _memory(units: list[Unit], linears: list[LinearPlan], weights: dict[str, tup
     return worst
 
 
-def _expert_coverage(adapter: Any, linears: list[LinearPlan], tokens: int) -> dict[str, Any] | None:
+def _method(plan: LinearPlan, lp: PlannedLinear) -> str | None:
+    entry = plan.entry_of(lp.name)
+    return None if entry is None else entry.method
+
+
+def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, Any] | None:
     """The tokens a routed expert's Hessian sees if the router spreads them evenly (tokens x top-k / experts), against
     the widest routed-expert input: below it the Hessian is rank-deficient (the run's log and report say how the
     real router spread them)."""
-    widths = [lp.in_features for lp in linears if lp.expert and lp.method == "gptq"]
+    widths = [lp.in_features for lp in plan.linears.values() if lp.rank_local and _method(plan, lp) == "gptq"]
     config = getattr(adapter, "text_config", None)
     experts = getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok", None)
@@ -226,7 +208,11 @@ def _size(n: float) -> str:
 
 def describe(plan: dict[str, Any]) -> str:
     """The plan as a person reads it (the JSON holds every name)."""
-    lines = ["units: " + ", ".join(u["name"] for u in plan["units"])]
+    target = plan["target"]
+    lines = [f"serving target: {target['chosen']}"]
+    lines += [f"  {name}{' (chosen)' if name == target['chosen'] else ''}: {said}"
+              for name, said in target["verdicts"].items()]
+    lines.append("units: " + ", ".join(u["name"] for u in plan["units"]))
     for sel in plan["linear_quant"]:
         kinds = "; ".join(f"{kind}: " + ", ".join(f"{n} {s}" for s, n in sorted(c.items()))
                           for kind, c in sorted(sel["per_unit_kind"].items()))

@@ -37,11 +37,12 @@ from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.files import disk_full_error
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import ResumableError, Terminated, UserError
-from msmodelslim.formats.checkpoint import different_source, source_identity
-from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
 from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
+from msmodelslim.source.checkpoint import different_source, source_identity
+from msmodelslim.source.quant_scheme import text_part
+from msmodelslim.target.profiles import profile
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class QuantArgs:
     resume: bool = False  # continue the interrupted run of this save_path from its kept state
     fresh: bool = False  # discard such state and start over
     resumable: bool = True  # keep resumable state when stopped; a round of `tune` has none (tune has no --resume)
+    target: str | None = None  # the serving target, written into spec.target (target/profiles.py)
 
 
 @dataclass
@@ -202,6 +204,9 @@ def check_request(args: QuantArgs, place: TorchrunRank | None = None) -> _Plan:
     spec = chosen.practice.spec
     if args.calibration_dataset is not None:
         spec.dataset = args.calibration_dataset
+    profile(spec.target, "spec.target")
+    if args.target is not None:
+        spec.target = profile(args.target).name
     records = practice_records(spec)
     with_image = sum(r.image is not None for r in records)
     if not chosen.practice.is_multimodal and with_image:
@@ -270,17 +275,23 @@ def _publish(work_dir: Path, save_path: Path) -> None:
 
 def practice_bytes(chosen: ChosenPractice) -> bytes:
     """The practice as it runs, read once before the run (the file may change or go while it computes): its bytes,
-    with `--calibration_dataset` written into spec.dataset when it was given."""
+    with `--calibration_dataset` written into spec.dataset and `--target` into spec.target when they were given."""
     try:
         data = chosen.path.read_bytes()
     except OSError as exc:
         raise UserError(f"{chosen.path}: cannot read the practice again ({exc.strerror})") from None
-    dataset = chosen.practice.spec.dataset
+    spec = chosen.practice.spec
     practice = yaml.safe_load(data)
-    if practice["spec"]["dataset"] == dataset:
+    given = {"dataset": (spec.dataset, "--calibration_dataset"), "target": (spec.target, "--target")}
+    changed = [key for key, (value, _) in given.items() if practice["spec"].get(key) != value]
+    if not changed:
         return data
-    practice["spec"]["dataset"] = str(Path(dataset).expanduser().resolve())
-    return ("# spec.dataset from --calibration_dataset\n" + yaml.safe_dump(practice, sort_keys=False)).encode()
+    if "dataset" in changed:
+        practice["spec"]["dataset"] = str(Path(spec.dataset).expanduser().resolve())
+    if "target" in changed:
+        practice["spec"]["target"] = spec.target
+    said = " and ".join(f"spec.{key} from {given[key][1]}" for key in changed)
+    return f"# {said}\n".encode() + yaml.safe_dump(practice, sort_keys=False).encode()
 
 
 def practice_inputs(chosen: ChosenPractice, records: list[CalibRecord]) -> dict[str, str]:
@@ -354,7 +365,7 @@ def output_lock(save_path: Path) -> Iterator[None]:
 
 def _check_free_space(model_path: Path, save_path: Path) -> None:
     """Refuse a run whose output cannot fit: the bound is computed from the checkpoint's headers."""
-    from msmodelslim.formats.checkpoint import INDEX_NAME, SINGLE_NAME, open_checkpoint
+    from msmodelslim.source.checkpoint import INDEX_NAME, SINGLE_NAME, open_checkpoint
 
     if not ((model_path / INDEX_NAME).is_file() or (model_path / SINGLE_NAME).is_file()):
         return  # no weights to size: the adapter says so with its own error
@@ -632,12 +643,12 @@ def plan(args: QuantArgs) -> dict[str, Any]:
     # one process's adapter: the model on the meta device, the checkpoint's headers checked, no weight read
     adapter = checked.adapter_cls(checked.model_path, trust_remote_code=args.trust_remote_code)
     try:
-        samples, processors = prepare_run(adapter, checked.records, spec, world=checked.device.world_size,
+        samples, _, linears = prepare_run(adapter, checked.records, spec, world=checked.device.world_size,
                                           label=checked.chosen.practice.metadata.label)
         tokens = sum(map(sample_tokens, samples))
         save_config = next(e.config for e in spec.save if e.type == "ascendv1_saver")
         largest = max(map(sample_tokens, samples), default=0)
-        result = build_plan(adapter, processors, save_config, checked.device.world_size, checked.device.type,
+        result = build_plan(adapter, linears, save_config, checked.device.world_size, checked.device.type,
                             tokens, len(samples), largest, spec.resume_every)
     finally:
         adapter.close()

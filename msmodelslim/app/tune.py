@@ -54,6 +54,7 @@ class TuneArgs:
     trust_remote_code: bool = False
     tags: tuple[str, ...] = ()
     calibration_dataset: str | None = None  # replaces the practice's spec.dataset
+    target: str | None = None  # the serving target (replaces the practice's spec.target)
     max_rounds: int = 4  # quantizations, the first included
     step: float = 10.0  # percent of the quantized linears moved up per round
     seq_len: int = 512
@@ -130,7 +131,7 @@ def tune(args: TuneArgs) -> TuneResult:
     quant_args = QuantArgs(model_path=args.model_path, save_path=str(rounds_dir / "round0"),
                            model_type=args.model_type, device=args.device, quant_type=args.quant_type,
                            config_path=args.config_path, trust_remote_code=args.trust_remote_code, tags=args.tags,
-                           calibration_dataset=args.calibration_dataset, resumable=False)
+                           calibration_dataset=args.calibration_dataset, resumable=False, target=args.target)
     plan = check_request(quant_args)  # every check of a quant run, before round 0
     base = yaml.safe_load(plan.chosen.path.read_text(encoding="utf-8"))
     eval_device = str(parse_device(args.device).torch_device(0))

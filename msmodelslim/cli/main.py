@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Quantize a Hugging Face weight directory layer by layer.")
     _model_arguments(quant)
     quant.add_argument("--save_path", required=True, help="output directory (must not exist or be empty)")
+    quant.add_argument("--target", default=None, metavar="ENGINE",
+                       help="the serving engine the output is written for: vllm-ascend-0.26 | vllm-ascend-0.27 (default: the "
+                             "practice's spec.target, else vllm-ascend-0.27); its load rules are checked before any "
+                             "compute")
     again = quant.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue the interrupted run of --save_path after the last unit every rank finished "
@@ -78,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "report error, until the perplexity increase is at most the target.")
     _model_arguments(tune)
     tune.add_argument("--save_path", required=True, help="output directory (must not exist or be empty)")
+    tune.add_argument("--target", default=None, metavar="ENGINE",
+                      help="the serving engine the output is written for: vllm-ascend-0.26 | vllm-ascend-0.27 (default: the "
+                            "practice's spec.target, else vllm-ascend-0.27); its load rules are checked before any "
+                            "compute")
     tune.add_argument("--dataset", required=True, help="a UTF-8 text file for the perplexity")
     tune.add_argument("--target_ppl_delta", type=float, required=True, metavar="PCT",
                       help="accept a quantization whose perplexity is at most PCT %% above the original's")
@@ -152,7 +160,7 @@ def _run_quant(ns: argparse.Namespace) -> int:
     args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=device_of(ns),
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag),
-        calibration_dataset=ns.calibration_dataset, resume=ns.resume, fresh=ns.fresh,
+        calibration_dataset=ns.calibration_dataset, resume=ns.resume, fresh=ns.fresh, target=ns.target,
     )
     if ns.plan or ns.plan_json:
         return _run_plan(args, ns.plan_json)
@@ -203,7 +211,7 @@ def _run_tune(ns: argparse.Namespace) -> int:
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, dataset=ns.dataset,
         target_ppl_delta=ns.target_ppl_delta, device=device_of(ns), quant_type=ns.quant_type, config_path=ns.config_path,
         trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), max_rounds=ns.max_rounds, step=ns.step,
-        calibration_dataset=ns.calibration_dataset,
+        calibration_dataset=ns.calibration_dataset, target=ns.target,
         seq_len=ns.seq_len, max_windows=ns.max_windows))
     print(f"msmodelslim tune: {'target reached' if result.reached else 'target NOT reached'} "
           f"({ns.target_ppl_delta:g} %) in {len(result.rounds)} round(s)")

@@ -443,9 +443,9 @@ class Spec(StrictConfig):
     # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
     # with them (docs/user_guide.md section 4).
     mtp: Literal["quantize", "float", "drop"] = "quantize"
-    # The serving layouts (model classes of the consumer) the output must load in: which linears run fused, hence
-    # with one scheme (model/kimi_k3/serving.py). None: every layout the adapter knows.
-    serving: list[str] | None = None
+    # The serving target the output is written for (target/profiles.py: vllm-ascend-0.26, vllm-ascend-0.27): its
+    # classes' fused layers and load rules are checked before any compute. None: the newest (--target overrides).
+    target: str | None = None
     # Every routed expert computes on every token in the statistics passes (its Hessian and ranges see all of its
     # rank's tokens, not the ~top-k / E the router sends it); the layer's output keeps the router's choice.
     calibrate_all_experts: bool = False

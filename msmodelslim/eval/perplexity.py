@@ -34,11 +34,11 @@ from torch import nn
 
 from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.errors import UserError
-from msmodelslim.formats.ascendv1 import QUANT_TYPES, AscendV1Reader
-from msmodelslim.formats.checkpoint import different_source, source_identity
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.quant.attention import install_quantizers
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
+from msmodelslim.source.checkpoint import different_source, source_identity
+from msmodelslim.target.ascendv1 import QUANT_TYPES, AscendV1Reader
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from msmodelslim.errors import UserError
+from msmodelslim.target.fused import fused_groups
+from msmodelslim.target.profiles import Profile, profile
 
 
 @dataclass(frozen=True)
@@ -75,35 +77,50 @@ class ModelAdapter(ABC):
 
         Walked once, on the first call (the practice checks and the saver all ask before any processor runs; later,
         linear_quant has replaced these linears by QuantLinears, and the answer is still the model's linears)."""
-        return [(unit, name) for unit, name, _ in self._linears()]
+        return [(unit, name) for unit, name, _, _ in self._linears()]
 
     def linear_in_features(self) -> dict[str, int]:
         """Serving name -> in_features of every nn.Linear of the model (the same walk as `linear_names`)."""
-        return {name: width for _, name, width in self._linears()}
+        return {name: width for _, name, width, _ in self._linears()}
 
-    def _linears(self) -> list[tuple[Unit, str, int]]:
+    def linear_out_features(self) -> dict[str, int]:
+        """Serving name -> out_features of every nn.Linear of the model (the same walk as `linear_names`)."""
+        return {name: width for _, name, _, width in self._linears()}
+
+    def _linears(self) -> list[tuple[Unit, str, int, int]]:
         cached = self.__dict__.get("_linear_walk")
         if cached is None:
-            cached = [(unit, self.checkpoint_name(unit, live_name), mod.in_features) for unit in self.units()
+            cached = [(unit, self.checkpoint_name(unit, live_name), mod.in_features, mod.out_features)
+                      for unit in self.units()
                       for live_name, mod in self.unit_module(unit).named_modules()
                       if live_name and isinstance(mod, nn.Linear)]
             self.__dict__["_linear_walk"] = cached
         return cached
 
+    # --- the serving target: what its engine fuses and looks up ------------------------------------------------
+    def serving_model_type(self) -> str | None:
+        """The model type the serving target's profiles know the model by (config.json's `model_type`; None:
+        unknown, nothing is fused)."""
+        return None
+
+    def serve_on(self, target: Profile) -> None:
+        """Write for the serving target `target` (target/profiles.py): its classes decide which linears are fused."""
+        self.__dict__["_target"] = target
+
+    @property
+    def target(self) -> Profile:
+        return self.__dict__.get("_target") or profile(None)
+
     def fused_groups(self) -> list[tuple[str, list[str]]]:
-        """(fused layer name, serving names of its shards): linears the serving engine runs as one layer with one
-        quantization scheme, in any serving layout chosen by `serve_on`. Empty when the engine fuses nothing."""
-        return []
+        """(fused layer name, serving names of its shards): linears the serving target runs as one layer with one
+        quantization scheme (a split its profile accepts aside). Empty when it fuses nothing."""
+        return fused_groups([name for _, name in self.linear_names()], self.target.layouts_for(self.serving_model_type()))
 
     def lookup_groups(self) -> list[tuple[str, list[str]]]:
         """The fused groups the description names (`<fused layer>.weight`) for lookups that find them in no packed
         table of the engine's model class."""
-        return self.fused_groups()
-
-    def serve_on(self, layouts: list[str] | None) -> None:
-        """Fuse as the serving layouts `layouts` do (a practice's `spec.serving`; None: every layout known)."""
-        if layouts:
-            raise UserError(f"spec.serving: {type(self).__name__} knows no serving layouts; leave the key out")
+        return fused_groups([name for _, name in self.linear_names()], self.target.layouts_for(self.serving_model_type()),
+                            lookup_keys=True)
 
     def calibrate_experts_on_all_tokens(self, on: bool) -> None:
         """`spec.calibrate_all_experts`: in every statistics pass (`statistics_pass`) each routed expert computes on
@@ -115,10 +132,6 @@ class ModelAdapter(ABC):
         """Entered around each calibration pass that gathers statistics (not the forward that makes the next unit's
         inputs)."""
         return contextlib.nullcontext()
-
-    def fused_by(self, group: str) -> str:
-        """Who runs fused layer `group` as one layer (for messages)."""
-        return "the serving engine"
 
     @abstractmethod
     def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:

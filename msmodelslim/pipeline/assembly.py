@@ -15,25 +15,29 @@ import torch
 from msmodelslim.core.config import FallbackConfig, Label
 from msmodelslim.core.dist import DistContext, current_token_source
 from msmodelslim.errors import UserError
-from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.resume import KEEP
 from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
 from msmodelslim.processor.fallback import apply_fallback
-from msmodelslim.processor.linear_quant import check_plan, planned_configs, scheme_names
+from msmodelslim.processor.plan import linear_plan, report_native_mxfp4
 from msmodelslim.quant.modules import SCHEMES
+from msmodelslim.target.ascendv1 import FLOAT
+from msmodelslim.target.linear_plan import LinearPlan
+from msmodelslim.target.profiles import profile
+from msmodelslim.target.rules import check_plan
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 
 
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int | None = None,
-                label: Label | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The calibration samples and the processors, with every check that needs no compute: a plan that matches
+                label: Label | None = None) -> tuple[list[dict[str, Any]], list[Any], LinearPlan]:
+    """The calibration samples, the processors and the linear plan, with every check that needs no compute (the
+    serving target's rules among them, target/rules.py): a plan that matches
     nothing, or that cannot produce what the practice's `label` promises, fails here, before any compute (a run and
     `--plan` both go through this). `world`: the ranks the samples are dealt to (default the adapter's)."""
 
-    adapter.serve_on(spec.serving)
+    adapter.serve_on(profile(spec.target, "spec.target"))
     adapter.calibrate_experts_on_all_tokens(spec.calibrate_all_experts)
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
@@ -41,14 +45,15 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     check_host_memory(adapter, sum(map(sample_tokens, samples)), world or adapter.dist.world_size, spec.resume_every)
     processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
                                 adapter)
-    planned = planned_configs(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
-    schemes = scheme_names(planned)
+    plan = linear_plan(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
+    schemes = plan.schemes
     for processor in processors:
         processor.preflight(adapter, schemes)
-    check_plan(processors, planned, adapter)
+    check_plan(plan, adapter)
+    report_native_mxfp4(processors, plan, adapter)
     if label is not None:
         check_label(label, set(schemes.values()), bool(spec.fallback))
-    return samples, processors
+    return samples, processors, plan
 
 
 def check_label(label: Label, planned: set[str], fallback: bool) -> None:

@@ -34,7 +34,6 @@ from msmodelslim.core.device import DeviceSpec, bind_device
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.files import disk_full_error
 from msmodelslim.errors import RankLost, ResumableError, UserError
-from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.assembly import place_tokens, prepare_run, report_positions, split_samples
@@ -43,6 +42,7 @@ from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.pipeline.spill import SPILL_DIR, StateSpill, host_budget
+from msmodelslim.source.checkpoint import source_identity
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class QuantRequest:
     trust_remote_code: bool
     background: bool = True  # load the next unit and write the resumable state behind the compute
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
-    source: dict[str, str] | None = None  # formats.checkpoint.source_identity of model_path, when the app has it
+    source: dict[str, str] | None = None  # source.checkpoint.source_identity of model_path, when the app has it
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
     orphan_cleanup: tuple[Path, ...] = ()
     ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
@@ -190,7 +190,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None:
             _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
-        samples, processors = prepare_run(adapter, records, spec, label=request.practice.metadata.label)
+        samples, processors, _ = prepare_run(adapter, records, spec, label=request.practice.metadata.label)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]

@@ -41,7 +41,7 @@ class QuantReport:
         self._step = 0  # this rank's sample in progress: every rank forwards its sample `step` at the same time
         self.dist = dist
         self.work_dir = work_dir  # the run's temporary output: the parts and the report go there
-        self.source = source  # formats.checkpoint.source_identity of the checkpoint: a fallback checks it
+        self.source = source  # source.checkpoint.source_identity of the checkpoint: a fallback checks it
         self.entries: dict[str, dict[str, Any]] = {}  # checkpoint name -> entry, this rank's
 
     def watch(self, module: nn.Module) -> list[tuple[str, QuantLinear]]:

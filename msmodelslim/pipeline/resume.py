@@ -76,7 +76,7 @@ def input_identity(source: dict[str, str], practice: bytes, inputs: dict[str, st
 def identity_difference(recorded: dict[str, Any], actual: dict[str, Any]) -> str | None:
     """The first part of `input_identity` (or of a `fingerprint`) that differs, in words naming the file, else
     None."""
-    from msmodelslim.formats.checkpoint import different_source
+    from msmodelslim.source.checkpoint import different_source
 
     key = different_source(recorded.get("source") or {}, actual["source"])
     if key is not None or set(recorded.get("source") or {}) != set(actual["source"]):

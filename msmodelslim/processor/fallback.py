@@ -33,8 +33,8 @@ from msmodelslim.processor.linear_quant import (
     LinearQuantProcessor,
     QConfig,
     WeightQConfig,
-    planned_configs,
 )
+from msmodelslim.processor.plan import planned_configs
 
 logger = logging.getLogger(__name__)
 

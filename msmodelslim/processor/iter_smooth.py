@@ -47,13 +47,13 @@ from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.placement import HOST, host_section
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
 from msmodelslim.errors import UserError
-from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.model.maps import SUBGRAPH_TYPES, WHOLE, Span, Subgraph, SubgraphType
 from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import selected
 from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
 from msmodelslim.quant.granularity import PerChannel
 from msmodelslim.quant.modules import get_scheme
+from msmodelslim.target.ascendv1 import FLOAT
 
 logger = logging.getLogger(__name__)
 

@@ -54,10 +54,9 @@ from msmodelslim.core.device import synchronize
 from msmodelslim.core.placement import to_host
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError, shown
-from msmodelslim.formats.ascendv1 import FLOAT
 from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import matching, selected
-from msmodelslim.quant.gptq import GPTQOptions
+from msmodelslim.quant.gptq import GPTQ_BATCH_BYTES, GPTQ_BATCH_BYTES_CPU, GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
 from msmodelslim.quant.modules import QuantLinear, QuantScheme, dequantize_weight, quantize_weight, scheme_for
 from msmodelslim.quant.mx import MX_FORMATS, decode_weight, mx_format
@@ -67,12 +66,6 @@ logger = logging.getLogger(__name__)
 
 DECODER_KINDS = ("decoder", "mtp")
 _WILDCARDS = ("*", "?", "[")
-# float32 Hessians per batched GPTQ of experts, one counted per linear reading it (an expert's w1 and w3: twice; the
-# batch's weights and temporaries are a few times this)
-GPTQ_BATCH_BYTES = 2 << 30
-# on the CPU, where a batch saves no launches and its temporaries take the host memory every rank shares (with 2 GiB
-# batches the bench preset's first MoE layer peaked at 16.3 GB of host memory, with these 6.4 GB: BENCHMARKS.md)
-GPTQ_BATCH_BYTES_CPU = 256 << 20
 
 
 def _dtype(name: str) -> Any:
@@ -409,108 +402,3 @@ def _log_expert_coverage(ctx: UnitContext, linears: dict[str, nn.Linear], tokens
     logger.info("linear_quant: %s: routed experts' Hessians saw %d / %d / %d tokens (min / median / max) on rank "
                 "%d; %d of %d linears saw fewer tokens than their inputs", ctx.unit.name, counts[0],
                 counts[len(counts) // 2], counts[-1], ctx.dist.rank, short, len(local))
-
-
-def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, LinearQuantConfig | None]:
-    """Serving name -> the linear_quant entry that will quantize each linear of the model: the first one (in YAML
-    order) selecting it, as process_unit applies them, or None (FLOAT)."""
-    quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
-    return {name: next((q for q in quantizers if select(name, unit.kind, q.include, q.exclude)), None)
-            for unit, name in adapter.linear_names()}
-
-
-def scheme_names(planned: dict[str, LinearQuantConfig | None]) -> dict[str, str]:
-    """Serving name -> the scheme each linear will get (FLOAT when none), of `planned_configs`."""
-    return {name: FLOAT if cfg is None else cfg.scheme.name for name, cfg in planned.items()}
-
-
-def check_plan(processors: list[Processor], planned: dict[str, LinearQuantConfig | None], adapter: Any) -> None:
-    """Every check of the linears' plan that needs no compute, and the report of the checkpoint bytes kept."""
-    check_fused_groups(scheme_names(planned), adapter)
-    check_served_schemes(planned, adapter)
-    report_native_mxfp4(processors, planned, adapter)
-
-
-def description_group_size(configs: list[LinearQuantConfig]) -> int | None:
-    """The description's one `group_size` for linears quantized by `configs` (None: no scheme reads it), refusing
-    a mix the engine cannot serve: vllm-ascend reads one group size per model, W4A8_DYNAMIC's MoE kernel as its
-    weight groups (0: per channel) and every MX scheme as its block (32)."""
-    sizes: dict[int, str] = {}
-    for cfg in configs:
-        scheme = cfg.scheme
-        if scheme.is_mx:
-            sizes.setdefault(32, scheme.name)
-        elif scheme.name == "W4A8_DYNAMIC":
-            group = cfg.qconfig.weight.group_size
-            sizes.setdefault(group, f"W4A8_DYNAMIC {f'per group of {group}' if group else 'per channel'}")
-    if len(sizes) > 1:
-        raise UserError(f"spec.process: vllm-ascend reads one group_size for the whole model, but the practice needs "
-                        f"{' and '.join(f'{g} ({who})' for g, who in sorted(sizes.items()))}; use one of them")
-    return next(iter(sizes), None)
-
-
-# Inputs a weight's in_features must be a multiple of: W4A8_MXFP / W4A4_MXFP4 pair their E8M0 scales without
-# padding (vllm-ascend `w4a8_mxfp4.py:90-96`, `w4a4_mxfp4.py:104-115`), every MX scheme has blocks of 32.
-_MX_INPUT_MULTIPLE = {"W4A8_MXFP": 64, "W4A4_MXFP4": 64}
-
-
-def check_served_schemes(planned: dict[str, LinearQuantConfig | None], adapter: Any) -> None:
-    """What the serving engine needs of the plan: one group size for the model, W4A16_MXFP4 and per-channel
-    W4A8_DYNAMIC on routed experts only (vllm-ascend serves them for MoE layers, not for linears), and input widths
-    the blocks or groups divide."""
-    description_group_size([cfg for cfg in planned.values() if cfg is not None])
-    widths = adapter.linear_in_features()
-    for name, cfg in planned.items():
-        if cfg is None:
-            continue
-        scheme = cfg.scheme
-        if scheme.name == "W4A16_MXFP4" and not adapter.is_rank_local(name):
-            raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
-                            f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
-        if scheme.name == "W4A8_DYNAMIC" and not cfg.qconfig.weight.group_size and not adapter.is_rank_local(name):
-            # vllm-ascend's W4A8_DYNAMIC linear (methods/w4a8.py AscendW4A8DynamicLinearMethod) is weight-only with
-            # weight groups of the description's group_size: per channel (0) it divides by zero building the layer
-            raise UserError(f"spec.process: {name} would be W4A8_DYNAMIC per channel, which vllm-ascend serves for "
-                            f"routed experts only (its W4A8 linear is weight-only and per group); include it in a "
-                            f"W8A8_DYNAMIC entry")
-        multiple = _MX_INPUT_MULTIPLE.get(scheme.name, 32) if scheme.is_mx else cfg.qconfig.weight.group_size
-        if multiple and widths[name] % multiple:
-            raise UserError(f"spec.process: {name} has {widths[name]} inputs, which {scheme.name}"
-                            f"{'' if scheme.is_mx else f' per group of {multiple}'} needs in multiples of {multiple}; "
-                            f"exclude it from that linear_quant entry")
-
-
-def report_native_mxfp4(processors: list[Processor], planned: dict[str, LinearQuantConfig | None],
-                        adapter: Any) -> None:
-    """Log, before any compute, how many linears will keep the checkpoint's MXFP4 bytes."""
-    earlier: list[str] = []
-    for processor in processors:
-        if isinstance(processor, LinearQuantProcessor):
-            cfg = processor.config
-            if cfg.scheme.is_mx and cfg.scheme.weight.bits == 4:
-                chosen = [name for name, c in planned.items() if c is cfg]
-                stored = sum(adapter.stores_mxfp4(name) for name in chosen)
-                if not earlier:
-                    fate = "all of them keep the checkpoint's bytes (no processor before this one changes weights)"
-                else:
-                    fate = (f"{', '.join(earlier)} run first: those whose weights they change are quantized again "
-                            f"(the log says how many per layer), the others keep the checkpoint's bytes")
-                logger.info("linear_quant %s: %d of its %d linears are MXFP4 in the checkpoint; %s", cfg.scheme.name,
-                            stored, len(chosen), fate)
-        elif not getattr(processor, "quantizes_attention", False):
-            earlier.append(processor.name)
-
-
-def check_fused_groups(schemes: dict[str, str], adapter: Any) -> None:
-    """Refuse a plan (serving name -> scheme) that would give the shards of one serving-engine layer different
-    schemes: vllm-ascend loads such a layer with one scheme and rejects a mixed one (`modelslim_config.py:695-700`)."""
-    for group, shards in adapter.fused_groups():
-        by_scheme: dict[str, str] = {}
-        for shard in shards:
-            by_scheme.setdefault(schemes[shard], shard)
-        if len(by_scheme) > 1:
-            detail = "; ".join(f"{shard} is {scheme}" for scheme, shard in by_scheme.items())
-            members = sorted({s.rsplit(".", 1)[-1] if ".experts." not in s else "experts.*" for s in shards})
-            raise UserError(f"spec.process: {adapter.fused_by(group)} runs {group} as one layer with one scheme, "
-                            f"but the practice splits it ({detail}); include or exclude {', '.join(members)} "
-                            f"together, or serve on other layouts (spec.serving)")

@@ -28,6 +28,13 @@ from msmodelslim.quant.mx import MXFormat, round_to_elements
 
 logger = logging.getLogger(__name__)
 
+# float32 Hessians per batched GPTQ of experts, one counted per linear reading it (an expert's w1 and w3: twice; the
+# batch's weights and temporaries are a few times this)
+GPTQ_BATCH_BYTES = 2 << 30
+# on the CPU, where a batch saves no launches and its temporaries take the host memory every rank shares (with 2 GiB
+# batches the bench preset's first MoE layer peaked at 16.3 GB of host memory, with these 6.4 GB: BENCHMARKS.md)
+GPTQ_BATCH_BYTES_CPU = 256 << 20
+
 
 @dataclass(frozen=True)
 class GPTQOptions:

@@ -1,6 +1,6 @@
 """spec.fallback (processor/fallback.py): which linears move to which scheme, decided on the model's skeleton
 before any compute, and the one-line errors of a fallback that cannot work. Reference: the schemes
-`planned_configs` gives every linear of the tiny Kimi-K3 with the shipped W4A8 practice (exact strings)."""
+`linear_plan` gives every linear of the tiny Kimi-K3 with the shipped W4A8 practice (exact strings)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import yaml
 from msmodelslim.app.quant import QuantArgs, check_request
 from msmodelslim.core.config import PracticeError, load_practice
 from msmodelslim.errors import UserError
-from msmodelslim.formats.checkpoint import source_identity
 from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
 from msmodelslim.processor.catalog import registries
 from msmodelslim.processor.fallback import apply_fallback
-from msmodelslim.processor.linear_quant import planned_configs, scheme_names
+from msmodelslim.processor.plan import linear_plan
+from msmodelslim.source.checkpoint import source_identity
 
 REPO = Path(__file__).resolve().parents[2]
 LM = "language_model.model.layers"
@@ -40,8 +40,7 @@ def practice_with(tmp_path: Path, fallback: list[dict]) -> Path:
 
 def schemes(adapter, path: Path) -> dict[str, str]:
     spec = load_practice(path, *registries()).spec
-    return scheme_names(planned_configs(apply_fallback([s.build() for s in spec.process], spec.fallback, adapter),
-                                        adapter))
+    return linear_plan(apply_fallback([s.build() for s in spec.process], spec.fallback, adapter), adapter).schemes
 
 
 def test_without_fallback_the_practice_decides(adapter, tmp_path):

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from msmodelslim.app import quant as quant_app
 from msmodelslim.app.quant import QuantArgs, quant
-from msmodelslim.formats.ascendv1 import AscendV1Reader
 from msmodelslim.model.registry import load_registry
+from msmodelslim.target.ascendv1 import AscendV1Reader
 
 pytestmark = pytest.mark.slow  # a whole quantization run
 

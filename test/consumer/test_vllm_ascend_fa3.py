@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msmodelslim.formats.ascendv1 import AscendV1Reader
+from msmodelslim.target.ascendv1 import AscendV1Reader
 
 from . import vllm_ascend_cpu as ascend
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from msmodelslim.model.kimi_k3.serving import FUSED_RULES
+from msmodelslim.target.fused import FUSED_RULES
 
 from . import vllm_ascend_cpu as ascend
 from .outputs import MINI, MX_PRACTICES

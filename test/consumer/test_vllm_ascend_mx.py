@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from msmodelslim.formats.ascendv1 import AscendV1Reader
+from msmodelslim.target.ascendv1 import AscendV1Reader
 
 from .outputs import MX_PRACTICES
 from .test_vllm_ascend_lookup import lookup_failures

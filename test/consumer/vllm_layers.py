@@ -125,20 +125,6 @@ V026RC = {
     ],
 }
 
-# spec.serving's layout names (model/kimi_k3/serving.py) -> the layers of that consumer class
-LAYOUTS = {"vllm-ascend-0.23": V023, "vllm-ascend-0.26rc": V026RC, "vllm-0.33": V033}
-
-
-def served_specs(out, multimodal: bool) -> list[dict]:
-    """The consumer classes an output's practice serves (its copied practice's `spec.serving`, default all) that
-    build this model: vLLM 0.23 has no Kimi-K3 class, vllm-ascend's Kimi-K3 class builds no Kimi-Linear."""
-    import yaml
-
-    practice = yaml.safe_load(next(out.glob("*_best_practice.yaml")).read_text())
-    chosen = practice["spec"].get("serving") or list(LAYOUTS)
-    applies = ("vllm-0.33", "vllm-ascend-0.26rc") if multimodal else ("vllm-ascend-0.23", "vllm-0.33")
-    return [LAYOUTS[name] for name in applies if name in chosen]
-
 
 def model_flags(text_config: dict) -> set[str]:
     """The row conditions a text config satisfies."""

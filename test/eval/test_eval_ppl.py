@@ -12,13 +12,13 @@ from torch import nn
 from msmodelslim.core.dist import SINGLE
 from msmodelslim.errors import UserError
 from msmodelslim.eval.perplexity import build_parser, evaluate, make_windows, wrap_quantized_linears
-from msmodelslim.formats.ascendv1 import AscendV1Reader
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.quant import QuantLinear
+from msmodelslim.target.ascendv1 import AscendV1Reader
 
 V, D, H = 64, 32, 64
 W4A8 = {"act": {"dtype": "int8"}, "weight": {"dtype": "int4", "method": "ssz"}}

@@ -14,7 +14,6 @@ import torch
 
 from msmodelslim.core.dist import SINGLE
 from msmodelslim.core.requests import Observe
-from msmodelslim.formats.ascendv1 import attention_quant_type, parse_attention_quant_type
 from msmodelslim.model.base import Unit
 from msmodelslim.pipeline.answers import observe
 from msmodelslim.pipeline.statistics import recall_window
@@ -25,6 +24,7 @@ from msmodelslim.quant.attention import (
     FA3QuantPlaceHolder,
     head_scales,
 )
+from msmodelslim.target.ascendv1 import attention_quant_type, parse_attention_quant_type
 
 INT8, FP8 = AttentionQuantSpec("int8"), AttentionQuantSpec("fp8_e4m3")
 

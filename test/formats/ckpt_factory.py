@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from msmodelslim.formats.mxfp4 import encode_mxfp4
+from msmodelslim.source.mxfp4 import encode_mxfp4
 
 MXFP4_GROUP = {
     "targets": ["re:.*experts\\.\\d+\\.w[123]$"],

@@ -17,8 +17,8 @@ from ckpt_factory import write_checkpoint
 from mxfp4_ct_reference import ct_decode, same_bits
 from safetensors import safe_open
 
-from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
 from msmodelslim.model.kimi_k3.mxfp4 import convert_mxfp4_to_bf16
+from msmodelslim.source.checkpoint import CheckpointError, open_checkpoint
 
 MINI = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / "kimi-linear-mini"
 

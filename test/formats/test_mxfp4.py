@@ -6,7 +6,7 @@ import pytest
 import torch
 from mxfp4_ct_reference import ct_decode, ct_encode, same_bits
 
-from msmodelslim.formats.mxfp4 import decode_mxfp4, encode_mxfp4
+from msmodelslim.source.mxfp4 import decode_mxfp4, encode_mxfp4
 
 # ../shared/reference/mxfp4.md, worked example (compressed-tensors 0.18)
 WORKED_ROW = [0, .05, -.1, .2, -.3, .4, .5, -.6, .7, .8, -.9, 1, 1.1, -1.2, 1.3, 1.4, -1.5, 1.55, .12, -.37, .63,

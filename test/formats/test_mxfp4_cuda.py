@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msmodelslim.formats.mxfp4 import decode_mxfp4
+from msmodelslim.source.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

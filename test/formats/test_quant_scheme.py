@@ -10,7 +10,7 @@ from ckpt_factory import quantization_config
 from compressed_tensors.utils.match import match_name as ct_match_name
 from compressed_tensors.utils.match import match_targets as ct_match_targets
 
-from msmodelslim.formats.quant_scheme import (
+from msmodelslim.source.quant_scheme import (
     match_name,
     mxfp4_exponent_bias,
     parse_quant_scheme,

@@ -248,7 +248,7 @@ def test_native_kimi_linear_mini_logits_equal_transformers_torch_fallback(tmp_pa
     from tokenizers import Tokenizer
     from transformers import KimiLinearForCausalLM
 
-    from msmodelslim.formats.checkpoint import open_checkpoint
+    from msmodelslim.source.checkpoint import open_checkpoint
 
     # transformers cannot load the MXFP4 checkpoint itself (its compressed-tensors targets use hub names the native
     # class renames), so decode the experts and let transformers convert a dense copy.

@@ -159,14 +159,19 @@ def test_a_qconfig_no_serving_scheme_reads_is_refused_naming_why(qconfig, messag
 
 def test_one_group_size_per_model_mx_and_per_channel_w4a8_cannot_mix():
     from msmodelslim.errors import UserError
-    from msmodelslim.processor.linear_quant import description_group_size
+    from msmodelslim.target.linear_plan import LinearPlan, PlanEntry, PlannedLinear
+    from msmodelslim.target.rules import description_group_size
 
-    mx = LinearQuantConfig.build(qconfig={"act": MXFP8, "weight": MXFP8})
-    w4a8 = LinearQuantConfig.build(qconfig=W4A8)
-    assert description_group_size([mx, LinearQuantConfig.build(qconfig=W8A8)]) == 32
-    assert description_group_size([LinearQuantConfig.build(qconfig={"act": W4A8["act"], "weight": PER_GROUP})]) == 64
+    def plan(*entries: tuple[str, int]) -> LinearPlan:
+        """One linear per entry (scheme, weight group size)."""
+        return LinearPlan(tuple(PlanEntry(scheme, "minmax", group, ("*",), ()) for scheme, group in entries),
+                          {f"l{i}": PlannedLinear(f"l{i}", "layers.0", "decoder", 256, 256, i, True)
+                           for i in range(len(entries))})
+
+    assert description_group_size(plan(("W8A8_MXFP8", 0), ("W8A8_DYNAMIC", 0))) == 32
+    assert description_group_size(plan(("W4A8_DYNAMIC", 64))) == 64
     with pytest.raises(UserError, match=r"0 \(W4A8_DYNAMIC per channel\) and 32 \(W8A8_MXFP8\)"):
-        description_group_size([w4a8, mx])
+        description_group_size(plan(("W4A8_DYNAMIC", 0), ("W8A8_MXFP8", 0)))
 
 
 class WideLayer(nn.Module):

@@ -78,7 +78,7 @@ def kimi_linear_mini(tmp_dir: Path):
     """The real trained kimi-linear-mini in float32 (MXFP4 experts decoded), transformers' native class."""
     from transformers import KimiLinearForCausalLM
 
-    from msmodelslim.formats.checkpoint import open_checkpoint
+    from msmodelslim.source.checkpoint import open_checkpoint
 
     reader = open_checkpoint(MINI)
     state = {k: reader.get(k, "cpu", torch.bfloat16) for k in reader.keys()}

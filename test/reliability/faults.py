@@ -297,8 +297,25 @@ def practice_splits_fused_group(model: Path, ws: Path) -> list[str]:
     return practice(ws, {'        - "*.self_attn.k_proj"\n': ""})
 
 
-def unknown_serving_layout(model: Path, ws: Path) -> list[str]:
-    return practice(ws, {"  runner: auto\n": "  runner: auto\n  serving: [vllm-ascend-9]\n"})
+def unknown_serving_target(model: Path, ws: Path) -> list[str]:
+    return practice(ws, {"  runner: auto\n": "  runner: auto\n  target: vllm-ascend-9\n"})
+
+
+def per_group_w4a8_under_0_27(model: Path, ws: Path) -> list[str]:
+    """Routed experts W4A8 per group of 32 (vllm-ascend 0.26 loads it) asked for vllm-ascend 0.27 (bar 20)."""
+    return [*practice(ws, {"weight: {scope: per_channel, dtype: int4, symmetric: true, method: gptq}":
+                           "weight: {scope: per_group, dtype: int4, symmetric: true, method: gptq, "
+                           "ext: {group_size: 32}}"}), "--target", "vllm-ascend-0.27"]
+
+
+def kda_gate_alone_quantized(model: Path, ws: Path) -> list[str]:
+    """KDA g_proj W8A8 with q/k/v/b/f_a FLOAT: vllm-ascend 0.27's in_proj_qkvgfab takes neither of its two layouts
+    (bar 20); releases/v0.26.0rc runs g_proj as its own layer."""
+    kda = ['        - "*.self_attn.q_proj"          # KDA q/k/v/o and MLA q/o\n', '        - "*.self_attn.k_proj"\n',
+           '        - "*.self_attn.v_proj"\n', '        - "*.self_attn.b_proj"          # KDA beta and forget-gate input: '
+           'vLLM fuses them with q/k/v\n', '        - "*.self_attn.f_a_proj"        # (in_proj_qkvgfab), so they take '
+           'q/k/v\'s scheme\n']
+    return practice(ws, {line: "" for line in kda})
 
 
 def shared_experts_w4a8_per_channel(model: Path, ws: Path) -> list[str]:
@@ -445,14 +462,21 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "include_matches_nothing": (include_matches_nothing, r"include \['\*no_such_module\*'\] .* selects none of "
                                                          r"the model's \d+ linears"),
     "practice_splits_fused_group": (practice_splits_fused_group,
-                                    r"spec\.process: serving layout vllm-0\.33 runs \S+layers\.0\.self_attn\."
-                                    r"in_proj_qkvgfab as one layer with one scheme, but the practice splits it "
+                                    r"spec\.process: vllm-ascend-0\.27 runs \S+layers\.0\.self_attn\."
+                                    r"in_proj_qkvgfab as one layer with one scheme, or q_proj, k_proj, v_proj of one "
+                                    r"quantized scheme with g_proj, b_proj, f_a_proj FLOAT, but the practice splits it "
                                     r"\(\S+q_proj is W8A8_DYNAMIC; \S+k_proj is FLOAT\); include or exclude "
-                                    r"b_proj, f_a_proj, g_proj, k_proj, q_proj, v_proj together, or serve on other "
-                                    r"layouts \(spec\.serving\)"),
-    "unknown_serving_layout": (unknown_serving_layout, r"spec\.serving: unknown serving layout 'vllm-ascend-9'; the "
-                                                       r"known ones are vllm-ascend-0\.23, vllm-ascend-0\.26rc, "
-                                                       r"vllm-0\.33"),
+                                    r"b_proj, f_a_proj, g_proj, k_proj, q_proj, v_proj together$"),
+    "unknown_serving_target": (unknown_serving_target, r"spec\.target: unknown serving target 'vllm-ascend-9'; the "
+                                                       r"known ones are vllm-ascend-0\.26, vllm-ascend-0\.27"),
+    "per_group_w4a8_under_0_27": (per_group_w4a8_under_0_27,
+                                  r"spec\.process: \S+\.experts\.\d+\.w[123] would be W4A8_DYNAMIC per group of "
+                                  r"32, which vllm-ascend-0\.27 refuses at load \(W4A8 MoE is per channel there\); "
+                                  r"quantize it per channel; --target vllm-ascend-0\.26 loads it"),
+    "kda_gate_alone_quantized": (kda_gate_alone_quantized,
+                                 r"spec\.process: vllm-ascend-0\.27 runs \S+layers\.0\.self_attn\.in_proj_qkvgfab "
+                                 r"as one layer .* \(\S+q_proj is FLOAT; \S+g_proj is W8A8_DYNAMIC\); .*"
+                                 r"--target vllm-ascend-0\.26 loads it"),
     "shared_experts_w4a8_per_channel": (shared_experts_w4a8_per_channel,
                                         r"spec\.process: \S+\.shared_experts\.\w+ would be W4A8_DYNAMIC per channel, "
                                         r"which vllm-ascend serves for routed experts only \(its W4A8 linear is "

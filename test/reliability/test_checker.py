@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msmodelslim.formats.checkpoint import CheckpointError
 from msmodelslim.model.common.hf_checkpoint import HFCheckpoint
 from msmodelslim.model.kimi_k3.layout import KimiLayout
+from msmodelslim.source.checkpoint import CheckpointError
 
 from .faults import CHECKER_FAULTS, FAULTS
 

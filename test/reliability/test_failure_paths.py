@@ -185,7 +185,7 @@ def eval_error_of_an_output_recording(source: dict, model: Path, tmp_path: Path,
     """`msmodelslim eval` of `model` against an output whose description records `source`: its one error line."""
     import json
 
-    from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME
+    from msmodelslim.target.ascendv1 import DESCRIPTION_NAME
 
     out = tmp_path / "out"
     out.mkdir()
@@ -203,7 +203,7 @@ def eval_error_of_an_output_recording(source: dict, model: Path, tmp_path: Path,
 def test_eval_of_an_output_made_from_other_weights_of_the_same_config_and_index_is_refused(tiny_k3_checkpoint,
                                                                                           tmp_path, capsys):
     # the output records the source's identity; the other checkpoint differs only in its tensors' values
-    from msmodelslim.formats.checkpoint import source_identity
+    from msmodelslim.source.checkpoint import source_identity
 
     from .faults import other_weights
 

@@ -15,13 +15,13 @@ from ascendv1_toy import HIDDEN, INTER, N_EXPERTS, UNIT, ToyAdapter, make_layer,
 from safetensors import safe_open
 
 from msmodelslim.core.dist import SINGLE, DistContext
-from msmodelslim.formats.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
 from msmodelslim.pipeline.answers import run_processor
 from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.processor.save.base import SAVERS
 from msmodelslim.quant import QuantLinear, dequantize, unpack_int4
+from msmodelslim.target.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
 
 P = UNIT.prefix
 

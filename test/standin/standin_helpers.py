@@ -23,8 +23,8 @@ def make_checkpoint_module():
 
 
 def load_dense_state_dict(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint by logical name, MXFP4 experts decoded (formats.checkpoint reader)."""
-    from msmodelslim.formats.checkpoint import open_checkpoint
+    """All tensors of a checkpoint by logical name, MXFP4 experts decoded (source.checkpoint reader)."""
+    from msmodelslim.source.checkpoint import open_checkpoint
 
     with open_checkpoint(model_dir) as reader:
         return {k: reader.get(k, "cpu", dtype if reader.is_mxfp4(k) else None) for k in reader.keys()}

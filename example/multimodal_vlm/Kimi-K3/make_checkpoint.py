@@ -393,7 +393,7 @@ def make_checkpoint(
     max_shard_size: str | None = None,
 ) -> dict[str, Any]:
     """Write the weight directory; returns a summary (config dicts, shard count, bytes, seconds)."""
-    from msmodelslim.formats.mxfp4 import encode_mxfp4
+    from msmodelslim.source.mxfp4 import encode_mxfp4
 
     t0 = time.perf_counter()
     out = Path(out)

@@ -76,6 +76,9 @@ class HFModelAdapter(ModelAdapter):
         self._undo.close()
 
     # --- structure and names: the layout ---------------------------------------------------------------------
+    def serving_model_type(self) -> str | None:
+        return self.config.model_type
+
     def units(self) -> list[Unit]:
         return [unit for unit in self.layout.units() if unit.kind not in self._dropped_kinds]
 

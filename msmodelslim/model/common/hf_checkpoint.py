@@ -22,11 +22,11 @@ from transformers import AutoConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from msmodelslim.errors import UserError
-from msmodelslim.formats.checkpoint import CheckpointError, open_checkpoint
-from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.base import Unit
 from msmodelslim.quant.attention import AttentionFakeQuant
 from msmodelslim.quant.modules import QuantLinear
+from msmodelslim.source.checkpoint import CheckpointError, open_checkpoint
+from msmodelslim.source.quant_scheme import text_part
 
 FLOAT_STORAGE = frozenset({"BF16", "F16", "F32", "F64"})  # safetensors dtypes a float parameter may load from
 

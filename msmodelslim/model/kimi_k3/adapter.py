@@ -20,15 +20,15 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.errors import UserError, shown
-from msmodelslim.formats.ascendv1 import quantize_summary
-from msmodelslim.formats.quant_scheme import text_part
 from msmodelslim.model.base import Unit
 from msmodelslim.model.common.hf_adapter import HFModelAdapter
-from msmodelslim.model.kimi_k3 import fa3, serving
+from msmodelslim.model.kimi_k3 import fa3
 from msmodelslim.model.kimi_k3.layout import BLOCK_KINDS, KimiLayout
 from msmodelslim.model.kimi_k3.patches import kimi_patches
 from msmodelslim.model.kimi_k3.quarot import PROJECTOR_ROTATION
 from msmodelslim.quant.modules import append_output_linear, remove_output_linear
+from msmodelslim.source.quant_scheme import text_part
+from msmodelslim.target.ascendv1 import quantize_summary
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ class KimiK3ModelAdapter(HFModelAdapter):
         self._processor: Any = None
         self._fa3_attentions: list[str] | None = None
         super().__init__(model_path, trust_remote_code, dist, dtype)
-        self.serving_layouts = serving.layouts_of(self.config.model_type)  # serve_on may narrow them
 
     def check_built_config(self) -> None:
         config_file = Path(self.model_path) / "config.json"
@@ -124,26 +123,6 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def is_multimodal(self) -> bool:
         return self.layout.is_multimodal
 
-    # --- what the serving engine fuses and looks up ----------------------------------------------------------
-    def fused_groups(self) -> list[tuple[str, list[str]]]:
-        return serving.fused_groups([name for _, name in self.linear_names()], self.serving_layouts)
-
-    def lookup_groups(self) -> list[tuple[str, list[str]]]:
-        return serving.fused_groups([name for _, name in self.linear_names()], self.serving_layouts,
-                                    lookup_keys=True)
-
-    def serve_on(self, layouts: list[str] | None) -> None:
-        unknown = [layout for layout in layouts or () if layout not in serving.LAYOUTS]
-        if unknown:
-            raise UserError(f"spec.serving: unknown serving layout {shown(unknown[0])}; the known ones are "
-                            f"{', '.join(serving.LAYOUTS)}")
-        ours = serving.layouts_of(self.config.model_type)
-        foreign = [layout for layout in layouts or () if layout not in ours]
-        if foreign:
-            raise UserError(f"spec.serving: {foreign[0]} has no class for model_type {self.config.model_type}; "
-                            f"its layouts are {', '.join(ours)}")
-        self.serving_layouts = tuple(layouts) if layouts else ours
-
     def calibrate_experts_on_all_tokens(self, on: bool) -> None:
         self.layout.all_expert_statistics = on
 
@@ -154,9 +133,6 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
         return self.layout.statistics_pass()
 
-    def fused_by(self, group: str) -> str:
-        return "serving layout " + " and ".join(serving.fusing_layouts(group, self.serving_layouts))
-
     def lookup_aliases(self, name: str) -> list[str]:
         return self.layout.lookup_aliases(name)
 
@@ -164,7 +140,7 @@ class KimiK3ModelAdapter(HFModelAdapter):
         """Every source field, plus what the serving side reads from the text config:
         - `mla_use_nope: true`: vLLM's Kimi MLA is NoPE-only and refuses a config without it (vllm 0.33
           `models/kimi_k3/nvidia/model.py:740-744`; KimiLinearConfig defaults it off);
-        - msModelSlim's `quantize` / `moe_quantize` / `mla_quantize` summary (formats/ascendv1.quantize_summary)."""
+        - msModelSlim's `quantize` / `moe_quantize` / `mla_quantize` summary (target/ascendv1.quantize_summary)."""
         config = dict(config)
         holder = dict(text_part(config))
         lac = holder.get("linear_attn_config") or {}

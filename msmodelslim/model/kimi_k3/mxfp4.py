@@ -1,11 +1,11 @@
-"""Kimi-K3's MXFP4 weights to BF16 (msModelSlim's ``convert_mxfp4_to_bf16``), delegating to ``formats``."""
+"""Kimi-K3's MXFP4 weights to BF16 (msModelSlim's ``convert_mxfp4_to_bf16``), delegating to ``source``."""
 
 from __future__ import annotations
 
 import torch
 
-from msmodelslim.formats.mxfp4 import decode_mxfp4
-from msmodelslim.formats.quant_scheme import mxfp4_exponent_bias
+from msmodelslim.source.mxfp4 import decode_mxfp4
+from msmodelslim.source.quant_scheme import mxfp4_exponent_bias
 
 __all__ = ["convert_mxfp4_to_bf16"]
 

@@ -8,10 +8,11 @@ An AscendV1 output is served by vllm-ascend, whose layers come from one of three
   `fused_qkv`, MLA q_a + kv_a as `fused_qkv_a_proj`; KDA b/f_a/f_b/g/o and the MLA output gate separate;
 - `vllm-0.33`: vLLM 0.33's Kimi-Linear / Kimi-K3 classes (`vllm/models/kimi_k3/nvidia/model.py:935-941`, `load_weights`
   :1252-1283): KDA q/k/v/g/b/f_a as `in_proj_qkvgfab`, MLA q_a + kv_a (+ the output gate) as `fused_qkv_a(_g)_proj`.
+  vllm-ascend 0.27 runs these classes' KDA packing, and also loads `in_proj_qkvgfab` split: q/k/v of one quantized
+  type, g/f_a/b FLOAT (`FusedRule.split`; a profile says whether it accepts that, target/profiles.py).
 Every layout runs dense and shared MLPs' gate/up as `gate_up_proj` and a MoE's routed experts as one layer
 (vllm-ascend reads one scheme for a FusedMoE, `modelslim_config.py:71-303`). `conv1d` is fused too, but convolutions
-are never quantized. A practice names the layouts its output must serve (`spec.serving`, default every layout
-with a class for the model, `layouts_of`).
+are never quantized. The serving target (a profile) names the layouts of each model type.
 
 A rule applies under a parent module that holds its `marker`; the group is every listed member present there.
 """
@@ -34,11 +35,13 @@ class FusedRule:
     # the description names it (`<fused layer>.weight`, a lookup-only key) for lookups that find it in no packed
     # table; vllm-ascend's Kimi-K3 class lists its own groups (kimi_k3.py:1261-1266), so they need none
     lookup_key: bool = True
+    # members that may all be FLOAT while the others share one quantized scheme, where the profile accepts the split
+    split: tuple[str, ...] = ()
 
 
 FUSED_RULES = (
     FusedRule("in_proj_qkvgfab", ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj"), marker="b_proj",
-              layouts=("vllm-0.33",)),
+              layouts=("vllm-0.33",), split=("g_proj", "b_proj", "f_a_proj")),
     FusedRule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"), marker="q_a_proj",
               layouts=("vllm-0.33",)),  # fused_qkv_a_g_proj when the output gate is there
     FusedRule("fused_qkv", ("q_proj", "k_proj", "v_proj"), marker="b_proj", layouts=("vllm-ascend-0.26rc",),
@@ -49,16 +52,10 @@ FUSED_RULES = (
 )
 
 
-def layouts_of(model_type: str) -> tuple[str, ...]:
-    """The layouts with a class for a model of config.json's `model_type`: vLLM 0.23 has no Kimi-K3 class, and
-    vllm-ascend's Kimi-K3 class builds Kimi-K3 only."""
-    if model_type == "kimi_k3":
-        return ("vllm-ascend-0.26rc", "vllm-0.33")
-    return ("vllm-ascend-0.23", "vllm-0.33")
 _EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.w[123]$")
 
 
-def fused_groups(linear_names: list[str], layouts: Collection[str] = LAYOUTS,
+def fused_groups(linear_names: list[str], layouts: Collection[str],
                  lookup_keys: bool = False) -> list[tuple[str, list[str]]]:
     """(`<parent>.<fused name>`, shard names) of every fused group among `linear_names` (serving names) in any of
     `layouts` (`lookup_keys`: only those the description names)."""
@@ -82,10 +79,8 @@ def fused_groups(linear_names: list[str], layouts: Collection[str] = LAYOUTS,
     return groups
 
 
-def fusing_layouts(group: str, layouts: Collection[str] = LAYOUTS) -> list[str]:
-    """The layouts among `layouts` that run fused layer `group` (a name of `fused_groups`) as one layer."""
+def split_of(group: str) -> tuple[str, ...]:
+    """The members of fused layer `group` (a name of `fused_groups`) that may all be FLOAT beside the others' one
+    quantized scheme, where the profile accepts the split."""
     leaf = group.rsplit(".", 1)[-1]
-    if leaf == "experts":
-        return [layout for layout in LAYOUTS if layout in layouts]
-    leaf = "fused_qkv_a_proj" if leaf == "fused_qkv_a_g_proj" else leaf
-    return [layout for rule in FUSED_RULES if rule.name == leaf for layout in rule.layouts if layout in layouts]
+    return next((rule.split for rule in FUSED_RULES if rule.name == leaf and rule.split), ())

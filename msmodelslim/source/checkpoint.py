@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from msmodelslim.errors import UserError
-from msmodelslim.formats.mxfp4 import GROUP_SIZE, decode_mxfp4
-from msmodelslim.formats.quant_scheme import QuantScheme, parse_quant_scheme, read_config
+from msmodelslim.source.mxfp4 import GROUP_SIZE, decode_mxfp4
+from msmodelslim.source.quant_scheme import QuantScheme, parse_quant_scheme, read_config
 
 __all__ = ["CheckpointError", "CheckpointReader", "open_checkpoint", "read_config"]
 
