@@ -167,7 +167,7 @@ def main() -> None:
     if args.cache and Path(args.cache).is_file():
         capture.inputs, capture.weights = torch.load(args.cache)
     else:
-        LayerWiseRunner(adapter, [quarot, capture], [], background=False).run([{"input_ids": w} for w in windows])
+        LayerWiseRunner(adapter, [quarot, capture], background=False).run([{"input_ids": w} for w in windows])
         if args.cache:
             torch.save((capture.inputs, capture.weights), args.cache)
     capture_s = time.perf_counter() - start

@@ -32,7 +32,7 @@ def run_mode(model: Path, device: str, prefetch: bool, tokens: int) -> dict:
         module = adapter.unit_module(unit)
         largest = max(largest, sum(p.numel() for p in module.parameters()) * 2)
     ids = torch.randint(8, int(adapter.text_config.vocab_size), (1, tokens))
-    runner = LayerWiseRunner(adapter, [], [], dist=adapter.dist, background=prefetch)
+    runner = LayerWiseRunner(adapter, [], dist=adapter.dist, background=prefetch)
     start = time.perf_counter()
     stats = runner.run([{"input_ids": ids}])
     adapter.close()

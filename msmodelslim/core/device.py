@@ -223,7 +223,7 @@ def cpu_has_bf16_dot_products() -> bool:
 @contextlib.contextmanager
 def cpu_bf16_products(enabled: bool = True) -> Iterator[None]:
     """Let float32 matmuls on the CPU multiply in bf16 inside the block: oneDNN's AVX512-BF16 / AMX dot products,
-    which accumulate in float32 (about twice float32's speed, bench/hessian_strips.py). Only for inputs that are bf16
+    which accumulate in float32 (about twice float32's speed, BENCHMARKS.md issue 31). Only for inputs that are bf16
     values: the product of two bf16 values is exact in float32, so the result is a float32 sum of exact products
     (values below 2^-126 count as zero). A CPU without bf16 instructions keeps float32 arithmetic."""
     flags = torch.backends.mkldnn.matmul

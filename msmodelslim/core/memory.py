@@ -53,7 +53,7 @@ def return_freed_tensors_to_os() -> None:
 def heap_for_temporaries() -> Iterator[None]:
     """Around a calibration pass: blocks below 32 MiB come from the heap, so each forward's temporaries reuse the
     memory the previous one freed, the heap's free top included, instead of faulting in a fresh mapping's pages on
-    every use (with 1 MiB mappings the experts' quantized products took 1.7-5x as long, bench/pass_heap.py).
+    every use (with 1 MiB mappings the experts' quantized products took 1.7-5x as long, BENCHMARKS.md).
     Afterwards the threshold is back at 1 MiB and the heap's free pages go back to the OS (`malloc_trim`); what the
     pass keeps (the next unit's states, Hessians) stays where it is. No-op off glibc."""
     _malloc_call("mallopt", _M_MMAP_THRESHOLD, PASS_MMAP_THRESHOLD)

@@ -6,6 +6,7 @@ answer, so it never runs a calibration forward, registers a hook or issues a col
     stats = yield Observe(absmax=("mlp.down_proj",))      # -> Stats, reduced over data-parallel ranks
     red = yield Reduce("max", {"w": local_max})            # -> dict, combined over ranks
     results = yield Jobs([Job("mlp.down_proj", ...)])      # -> {key: {output: tensor}}, shared by every rank
+    yield Rescaled(("mlp.down_proj",), s)                  # -> None: it divided those modules' inputs by s
 
 Every answer is identical on every rank, and on a rerun or resume with as many ranks: statistics reduce by max
 (exact), as integer sums (exact) or, for the replicated linears' Hessians, as float32 sums (their last bits may
@@ -89,3 +90,12 @@ class Job:
 @dataclass(frozen=True)
 class Jobs:
     jobs: Sequence[Job]
+
+
+@dataclass(frozen=True)
+class Rescaled:
+    """The processor has divided the inputs of `modules` by `scale` (per input channel; smoothing moved it into
+    their weights): the runner rescales what it carries for them (pipeline/answers.py). Answered with None."""
+
+    modules: Sequence[str]
+    scale: torch.Tensor

@@ -114,13 +114,16 @@ class ModelAdapter(ABC):
     def fused_groups(self) -> list[tuple[str, list[str]]]:
         """(fused layer name, serving names of its shards): linears the serving target runs as one layer with one
         quantization scheme (a split its profile accepts aside). Empty when it fuses nothing."""
-        return fused_groups([name for _, name in self.linear_names()], self.target.layouts_for(self.serving_model_type()))
+        return self._groups(lookup_keys=False)
 
     def lookup_groups(self) -> list[tuple[str, list[str]]]:
         """The fused groups the description names (`<fused layer>.weight`) for lookups that find them in no packed
         table of the engine's model class."""
-        return fused_groups([name for _, name in self.linear_names()], self.target.layouts_for(self.serving_model_type()),
-                            lookup_keys=True)
+        return self._groups(lookup_keys=True)
+
+    def _groups(self, lookup_keys: bool) -> list[tuple[str, list[str]]]:
+        layouts = self.target.layouts_for(self.serving_model_type())
+        return fused_groups([name for _, name in self.linear_names()], layouts, lookup_keys) if layouts else []
 
     def calibrate_experts_on_all_tokens(self, on: bool) -> None:
         """`spec.calibrate_all_experts`: in every statistics pass (`statistics_pass`) each routed expert computes on

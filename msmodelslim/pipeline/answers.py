@@ -1,8 +1,9 @@
 """The runner's answers to what processors ask while they transform a unit.
 
 `run_processor(processor, ctx)` drives a processor: a plain `process_unit` just runs; a generator one yields
-requests (`core/requests.py`) that `answer` answers here. This module owns the calibration passes, the hooks
-and every collective a processor needs, so processors are transforms and stay rank-agnostic.
+requests (`core/requests.py`) that `answer` answers here. This module owns the calibration passes, the hooks,
+every collective a processor needs and the Hessians carried from one processor's pass to a later one (`Carried`),
+so processors are transforms, stay rank-agnostic and know nothing of each other.
 """
 
 from __future__ import annotations
@@ -17,46 +18,103 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stats
 from msmodelslim.pipeline.statistics import kinds_for
 from msmodelslim.processor.base import UnitContext
 
 
+class Carried:
+    """Hessians (with their token counts) a pass gathered for a processor that runs later on the same unit, kept by
+    the runner between processors. Which ones it gathers and how far they go follow from what each processor
+    declares (`Processor.hessians`, `Processor.changes`); no processor knows its peers."""
+
+    def __init__(self) -> None:
+        self.hessian: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+
+    def rescale(self, modules: Sequence[str], scale: torch.Tensor) -> None:
+        """H <- D H D with D = diag(1 / s) for the carried Hessians of `modules`, whose inputs became X / s. Readers
+        of one input keep sharing one (new) tensor; the old one is left as it was (an earlier request may hold it).
+        Exact but for the rounding of the smoothed 16-bit weights, which moves every later input by about one
+        rounding of those weights (docs/dev/architecture.md)."""
+        done: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for name in modules:
+                h = self.hessian.get(name)
+                if h is None:
+                    continue
+                if id(h) not in done:
+                    inv = 1.0 / scale.to(h.device, torch.float32)
+                    done[id(h)] = h * torch.outer(inv, inv)  # the outer product is symmetric, so the result stays so
+                self.hessian[name] = done[id(h)]
+
+    def keep_only(self, names: set[str]) -> None:
+        """Free what no later processor asks for (a linear that kept its checkpoint bytes needs no Hessian)."""
+        for name in [n for n in self.hessian if n not in names]:
+            del self.hessian[name], self.tokens[name]
+
+
 def run_processor(processor: Any, ctx: UnitContext,
                   stage: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
-                  following: Sequence[Any] = ()) -> None:
+                  following: Sequence[Any] = (), carried: Carried | None = None) -> None:
     """Apply one processor to the unit, answering each request it yields. Each answer runs inside `stage(kind)`
     (kind: observe, reduce, jobs), where the runner times it and records its device memory, so a run's statistics
     show where a processor's time and memory go: calibration passes, collectives or its own heavy work.
-    `following`: the processors that run after it on this unit, whose `hessians_ahead` this processor's passes may
-    gather."""
+    `following`: the processors that run after it on this unit; its passes gather the Hessians they will ask for
+    where those survive what runs in between (`gatherable`), kept in `carried` (a new one: nothing carried)."""
+    carried = Carried() if carried is None else carried
     steps = processor.process_unit(ctx)
-    if not inspect.isgenerator(steps):
-        return
-    reply: Any = None
-    while True:
-        try:
-            request = steps.send(reply)
-        except StopIteration:
-            return
-        reply = None  # the processor has it: held here it would outlive what the processor frees (its Hessians)
-        with stage(type(request).__name__.lower()) if stage is not None else contextlib.nullcontext():
-            ahead = hessians_ahead(ctx, processor, following) if isinstance(request, Observe) else ()
-            reply = answer(ctx, request, ahead)
+    if inspect.isgenerator(steps):
+        reply: Any = None
+        while True:
+            try:
+                request = steps.send(reply)
+            except StopIteration:
+                break
+            reply = None  # the processor has it: held here it would outlive what the processor frees (its Hessians)
+            if isinstance(request, Rescaled):
+                carried.rescale(request.modules, request.scale)
+                continue
+            with stage(type(request).__name__.lower()) if stage is not None else contextlib.nullcontext():
+                ahead = gatherable(ctx, processor, following) if isinstance(request, Observe) else ()
+                reply = answer(ctx, request, ahead, carried)
+    carried.keep_only({name for later in following for name in later.hessians(ctx)})
 
 
-def hessians_ahead(ctx: UnitContext, asking: Any, following: Sequence[Any]) -> tuple[str, ...]:
-    """The Hessians the processors after `asking` will ask for that its pass can gather (each one's
-    `hessians_ahead`, given the processors that run before it), in order, each once."""
+def gatherable(ctx: UnitContext, asking: Any, following: Sequence[Any]) -> tuple[str, ...]:
+    """The Hessians the processors after `asking` will ask for that a pass of `asking` can gather, in order, each
+    once: those every processor from `asking` up to the one asking leaves as they are, or changes in a way the
+    runner carries them through (`Changes`)."""
     names: dict[str, None] = {}
     for i, later in enumerate(following):
-        names.update(dict.fromkeys(later.hessians_ahead(ctx, (asking, *following[:i]))))
+        wanted = later.hessians(ctx)
+        if wanted:
+            names.update(dict.fromkeys(_surviving(ctx, wanted, (asking, *following[:i]))))
     return tuple(names)
 
 
-def answer(ctx: UnitContext, request: Any, ahead: Sequence[str] = ()) -> Any:
+def _surviving(ctx: UnitContext, names: Sequence[str], between: Sequence[Any]) -> list[str]:
+    """`names` whose Hessians gathered before `between` still hold after it: through a processor that rescales
+    inputs by a diagonal every one (the runner rescales them, `Rescaled`); through one that changes routed experts'
+    weights only, those of the linears that do not read the experts' outputs (`adapter.reads_routed_experts`:
+    attention, shared experts, the latent down-projection); through any other, none. So on Kimi-Linear
+    iter_smooth's first pass gathers both linear_quant entries' Hessians and neither needs a pass of its own;
+    Kimi-K3's latent up-projection still does."""
+    names = list(names)
+    for processor in between:
+        changes = processor.changes(ctx)
+        if changes.inputs_rescaled:
+            continue
+        if changes.weights is None or not all(ctx.adapter.is_rank_local(n) for n in changes.weights):
+            return []
+        if changes.weights:
+            names = [n for n in names if n not in changes.weights and not ctx.adapter.reads_routed_experts(n)]
+    return names
+
+
+def answer(ctx: UnitContext, request: Any, ahead: Sequence[str] = (), carried: Carried | None = None) -> Any:
     if isinstance(request, Observe):
-        return observe_gathering(ctx, request, ahead)
+        return observe_gathering(ctx, request, ahead, Carried() if carried is None else carried)
     if isinstance(request, Reduce):
         return reduce_tensors(ctx.dist, request)
     if isinstance(request, Jobs):
@@ -112,26 +170,25 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     return stats
 
 
-def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str] = ()) -> Stats:
+def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str], carried: Carried) -> Stats:
     """`observe`, with the Hessians of `ahead` gathered in the same pass and kept for a later processor
-    (`ctx.gathered`), and the Hessians an earlier pass gathered for this request handed over instead of observed
-    (kept too where `ahead` names them again: then it is one object in both places, and whoever changes it makes
-    a new one): no pass at all when nothing else is asked."""
-    gathered = ctx.gathered
+    (`carried`), and the Hessians an earlier pass gathered for this request handed over instead of observed (kept
+    too where `ahead` names them again: then it is one object in both places, and whoever changes it makes a new
+    one): no pass at all when nothing else is asked."""
     # a capped pass gathers nothing: later processors want Hessians of every token
     gathering = () if request.tokens is not None else ahead
-    kept = [n for n in request.hessian if n in gathered.hessian]
-    extra = [n for n in gathering if n not in request.hessian and n not in gathered.hessian]
+    kept = [n for n in request.hessian if n in carried.hessian]
+    extra = [n for n in gathering if n not in request.hessian and n not in carried.hessian]
     if kept or extra:
         request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
     asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges
     stats = observe(ctx, request) if asks else Stats()
     for name in extra:
-        gathered.hessian[name], gathered.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
+        carried.hessian[name], carried.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
     ahead_set = set(ahead)
     for name in kept:
-        h, tokens = (gathered.hessian[name], gathered.tokens[name]) if name in ahead_set else \
-            (gathered.hessian.pop(name), gathered.tokens.pop(name))
+        h, tokens = (carried.hessian[name], carried.tokens[name]) if name in ahead_set else \
+            (carried.hessian.pop(name), carried.tokens.pop(name))
         stats.hessian[name], stats.tokens[name] = h, tokens
     return stats
 

@@ -37,7 +37,8 @@ from msmodelslim.errors import RankLost, ResumableError, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.assembly import place_tokens, prepare_run, report_positions, split_samples
-from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+from msmodelslim.pipeline.hooks import service_hooks
+from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
 from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
@@ -205,15 +206,14 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",
                            host_budget(torchrun.local_world_size if torchrun else world))
-        runner = LayerWiseRunner(adapter, processors, savers, dist=dist, background=background, steps=steps,
-                                 resume=resume, resume_after=request.resume_after, report=report, spill=spill,
-                                 profiler=pass_profiler(device), place_tokens=place_tokens(samples),
-                                 resume_every=spec.resume_every)
+        profiler = pass_profiler(device)
+        hooks = service_hooks(savers, report, resume, request.resume_after, spec.resume_every, spill, profiler)
+        runner = LayerWiseRunner(adapter, processors, hooks, dist, Schedule(steps, place_tokens(samples)), background)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):
             stats = runner.run(mine)
-        write_profile(runner.profiler, rank)
+        write_profile(profiler, rank)
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
                   "calibration_passes": dict(stats.passes),
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

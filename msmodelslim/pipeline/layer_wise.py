@@ -1,16 +1,17 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
 Per unit: load (with `background`, the next unit loads in the background) -> processors in YAML order (the runner
-answers what each asks for: statistics from calibration passes, reductions, jobs shared over ranks; `answers.py`)
--> forward the processed unit over the samples to make the next unit's inputs (quantization errors propagate as at
-inference; every unit but the last, since MTP layers follow the head), with the quant report's observers on its
-quantized linears (pipeline/report.py) -> save -> free
--> keep the resumable state (with `background`, written while the next unit computes).
+answers what each asks for: statistics from calibration passes, reductions, jobs shared over ranks, the Hessians
+carried from one processor's pass to a later one; `answers.py`) -> forward the processed unit over the samples to
+make the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP
+layers follow the head) -> save -> free. The services around that loop are hooks (pipeline/hooks.py): the savers,
+the quant report's observers, the resumable state, the spill of the samples' state, the per-pass profile; the runner
+owns the loop, the passes, the finite checks, the stage timing and every collective.
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
 attention-residual blocks, MTP inputs) lives on the host, and an accelerator holds one micro-batch of it at a time:
 at a million calibration tokens that state is hundreds of GB, the device's share of it stays one forward's, and past
-a host budget the runner keeps it in files read back memory-mapped (pipeline/spill.py).
+a host budget a hook keeps it in files read back memory-mapped (pipeline/spill.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,15 +40,12 @@ from msmodelslim.core.device import (
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.core.placement import to_host
-from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.pipeline.answers import UnitContext, run_processor
+from msmodelslim.pipeline.answers import Carried, UnitContext, run_processor
 from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
-from msmodelslim.pipeline.profile import PassProfiler
-from msmodelslim.pipeline.report import QuantReport
-from msmodelslim.pipeline.resume import ResumeState
-from msmodelslim.pipeline.spill import Spilled, StateSpill, map_state, state_bytes
+from msmodelslim.pipeline.hooks import UnitHook
+from msmodelslim.pipeline.spill import map_state
 from msmodelslim.processor.base import OutputExtras, Processor
 
 logger = logging.getLogger(__name__)
@@ -79,41 +77,36 @@ class RunStats:
             self.peaks[stage] = max(self.peaks.get(stage, 0.0), gib)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How this rank's samples line up with the others': `steps` lock-step sample slots (ranks with fewer samples
+    idle through the collectives; None: one per sample), and the calibration tokens of each place of the global
+    dealing order (`assembly.place_tokens`), from which a capped statistics pass picks its samples (None: such a
+    pass sees every sample)."""
+
+    steps: int | None = None
+    place_tokens: Sequence[int] | None = None
+
+
 class LayerWiseRunner:
-    def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], savers: Sequence[Any],
-                 dist: DistContext = SINGLE, background: bool = True, steps: int | None = None,
-                 resume: ResumeState | None = None, resume_after: int | None = None,
-                 report: QuantReport | None = None, spill: StateSpill | None = None,
-                 profiler: PassProfiler | None = None, place_tokens: Sequence[int] | None = None,
-                 resume_every: int = 1) -> None:
+    def __init__(self, adapter: ModelAdapter, processors: Sequence[Processor], hooks: Sequence[UnitHook] = (),
+                 dist: DistContext = SINGLE, schedule: Schedule = Schedule(), background: bool = True) -> None:
         self.adapter = adapter
         self.processors = list(processors)
-        self.savers = list(savers)
+        self.hooks = list(hooks)  # the services around each unit (pipeline/hooks.py), called in this order
         self.dist = dist
+        self.schedule = schedule
         # load the next unit and write the resumable state in background threads while a unit computes (off on a
         # CPU device, where those threads compete with the compute for the same cores)
         self.background = background
-        # Number of lock-step sample slots; ranks with fewer samples idle through the collectives.
-        self.steps = steps
         self.stats = RunStats()
-        self.resume = resume  # where each finished unit's state is kept (pipeline/resume.py), if anywhere
-        self.resume_after = resume_after  # continue after this unit, from its kept state
-        self.resume_every = resume_every  # keep the resumable state after every this many units (and the last)
-        self.report = report  # the quant report (pipeline/report.py), collected during the forwards
-        self.spill = spill  # where the samples' state goes past the host budget (pipeline/spill.py), if anywhere
-        self.profiler = profiler  # each pass's operators ($MSMODELSLIM_PROFILE, benchmarks), if anything
-        # the calibration tokens of each place of the global dealing order (`assembly.place_tokens`), from which
-        # a capped statistics pass picks its samples; None: such a pass sees every sample
-        self.place_tokens = place_tokens
+        self.position = 0  # the unit being processed: its index in adapter.units()
         self._step = 0  # this rank's sample in progress
         self._observed: set[int] | None = None  # the places a capped statistics pass observes
-        self._position = 0  # the unit being processed: its index in adapter.units()
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
-        self._writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
-        self._writing: Future | None = None
 
     @contextlib.contextmanager
-    def _stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str) -> Iterator[None]:
         """Time a stage (the device synchronized at its end) and record the most device memory held in it. The
         device keeps one peak counter: it starts over with each stage, and what came between two stages goes into
         the run's peak."""
@@ -126,40 +119,45 @@ class LayerWiseRunner:
         self.stats.add(name, time.perf_counter() - start)
         self.stats.held(name, peak_device_bytes(device))
 
+    def _steps(self, states: list[dict[str, Any]]) -> int:
+        return self.schedule.steps if self.schedule.steps is not None else len(states)
+
     def _run_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                      keep: bool, only: set[int] | None = None) -> list[dict[str, Any]]:
-        if self.profiler is None:
-            return self._forward_samples(unit, module, states, keep, only)
-        with self.profiler.profiled(self._pass_kind):
+        with contextlib.ExitStack() as passes:
+            for hook in self.hooks:
+                passes.enter_context(hook.pass_context(self._pass_kind))
             return self._forward_samples(unit, module, states, keep, only)
 
     def _statistics_pass(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                          tokens: int | None = None) -> None:
         """A pass for a processor's statistics (no state kept): over every sample, or over those of the first
         `tokens` calibration tokens of the global order (the steps where some rank forwards one)."""
-        places = None if tokens is None or self.place_tokens is None else first_places(self.place_tokens, tokens)
-        steps = self.steps if self.steps is not None else len(states)
+        place_tokens = self.schedule.place_tokens
+        places = None if tokens is None or place_tokens is None else first_places(place_tokens, tokens)
         self._observed = places
         try:
-            self._run_samples(unit, module, states, keep=False, only=steps_with(places, steps, self.dist.world_size))
+            self._run_samples(unit, module, states, keep=False,
+                              only=steps_with(places, self._steps(states), self.dist.world_size))
         finally:
             self._observed = None
 
     def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                          keep: bool, only: set[int] | None) -> list[dict[str, Any]]:
         """One pass over the samples (`only`: these steps, the same on every rank, else all)."""
-        steps = self.steps if self.steps is not None else len(states)
         device = self.dist.device
         self.stats.passes[unit.name] += 1
         outputs, finite, forwarded = [], [], []
-        kept = 0
+        if keep:
+            for hook in self.hooks:
+                hook.start_keeping()
         with torch.no_grad(), heap_for_temporaries():
-            for step in range(steps):
+            for step in range(self._steps(states)):
                 if only is not None and step not in only:
                     continue
                 self._step = step
-                if self.report is not None:
-                    self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
+                for hook in self.hooks:
+                    hook.step(step)
                 if step < len(states):
                     copies = HostCopies()
                     out = self.adapter.forward_unit(unit, module, copies.to_device(self._loaded(states[step]), device))
@@ -167,11 +165,8 @@ class LayerWiseRunner:
                     forwarded.append(step)
                     if keep:
                         host = copies.to_host(out)
-                        if self.spill is not None:
-                            kept += state_bytes(host)
-                            if kept > self.spill.budget and device.type != "cpu":
-                                synchronize(device)  # the asynchronous host copy, complete before it is written
-                            host = self.spill.keep(self._position, step, host, kept)
+                        for hook in self.hooks:
+                            host = hook.keep(self, step, host)
                         outputs.append(host)
                 else:
                     self.adapter.idle_unit(unit, module)
@@ -189,164 +184,140 @@ class LayerWiseRunner:
 
     def _loaded(self, state: Any) -> Any:
         """A sample's state as the forward takes it (a spilled one read back)."""
-        return state if self.spill is None else self.spill.load(state)
-
-    def _keep_state(self, index: int, states: list[dict[str, Any]]) -> None:
-        """Snapshot what the rest of the run depends on and write it, in line or in the background: there the next
-        unit computes while unit `index`'s file is written (the states are never changed in place, only replaced)
-        and the runner waits only for the previous write, so a run spends on its resumable state what the disk
-        cannot hide."""
-        self._wait_for_state()
-        if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
-            self.spill.drop_before(index, keep=set(self.resume.latest(self.dist.rank)))
-        snapshot = {
-            "states": states,
-            "savers": [saver.resume_state() for saver in self.savers],
-            "processors": [processor.resume_state() for processor in self.processors],
-            "report": None if self.report is None else self.report.resume_state(),
-        }
-        shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
-        if self.background:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
-            self._writing = self._writer.submit(self.resume.save, self.dist.rank, index, snapshot, shards)
-        else:
-            self.resume.save(self.dist.rank, index, snapshot, shards)
-
-    def _wait_for_state(self) -> None:
-        """The write in flight, finished (its failure raised here)."""
-        if self._writing is not None:
-            writing, self._writing = self._writing, None
-            writing.result()
-
-    def _restore(self) -> list[dict[str, Any]]:
-        kept = self.resume.load(self.dist.rank, self.resume_after)
-        for saver, state in zip(self.savers, kept["savers"], strict=True):
-            saver.restore_state(state)
-        for processor, state in zip(self.processors, kept["processors"], strict=True):
-            processor.restore_state(state)
-        if self.report is not None and kept.get("report") is not None:
-            self.report.restore_state(kept["report"])
-        for state in kept["states"]:  # spilled states: their files as they were written (names and sizes)
-            missing = state.missing() if isinstance(state, Spilled) else None
-            if missing is not None:
-                raise UserError(f"{missing}: a spilled calibration state of the resumable state is missing or "
-                                f"damaged; discard it with --fresh")
-        return kept["states"]  # on the host (or spilled), where the runner keeps them
+        for hook in self.hooks:
+            state = hook.load(state)
+        return state
 
     def run(self, samples: list[dict[str, Any]]) -> RunStats:
         return_freed_tensors_to_os()
         units = self.adapter.units()
-        device = self.dist.device
-        first = 0
-        if self.resume_after is not None:
-            states = self._restore()
-            first = self.resume_after + 1
-            logger.info("resuming after unit %s (%d of %d done)", units[self.resume_after].name, first, len(units))
-        else:
-            states = [dict(s) for s in samples]
-        # the prefetch thread binds the rank's device once (else its work lands on device 0)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=bind_device,
-                                  initargs=(device,)) if self.background else None
-
-        def load_in_thread(unit: Unit) -> nn.Module:
-            with ascend_check.watching():
-                return self.adapter.load_unit(unit, device)
-
-        def load(i: int) -> Future | nn.Module:
-            if pool is None:
-                with self._stage("load"):
-                    return self.adapter.load_unit(units[i], device)
-            return pool.submit(load_in_thread, units[i])
-
+        first, states = 0, [dict(s) for s in samples]
+        for hook in self.hooks:
+            restored = hook.restore(self)
+            if restored is not None:
+                first, states = restored
+                logger.info("resuming after unit %s (%d of %d done)", units[first - 1].name, first, len(units))
+        loader = UnitLoader(self, units)
         bar = tqdm(total=len(units), initial=first, desc="quantizing", unit="unit", disable=not self.dist.is_main,
                    dynamic_ncols=True)
-        pending = load(first) if first < len(units) else None
         try:
-            for i, unit in enumerate(units):
-                if i < first:
-                    continue
+            loader.start(first)
+            for i in range(first, len(units)):
+                unit, last = units[i], i + 1 == len(units)
                 bar.set_postfix_str(unit.name)
-                with self._stage("load"):  # (in the background: the wait for it)
-                    module = pending.result() if isinstance(pending, Future) else pending
-                if i + 1 < len(units):
-                    pending = load(i + 1)
-
-                t0 = time.perf_counter()
-                ctx = UnitContext(unit, module, self.adapter, self.dist,
-                                  run_samples=lambda u=unit, m=module, s=states: self._statistics_pass(u, m, s),
-                                  run_first=lambda tokens, u=unit, m=module, s=states:
-                                  self._statistics_pass(u, m, s, tokens),
-                                  observing=lambda: observed_now(self._observed, self._step, self.dist))
-                for k, processor in enumerate(self.processors):
-                    self._pass_kind = processor.name
-                    t1 = time.perf_counter()
-                    run_processor(processor, ctx, stage=lambda kind, p=processor.name: self._stage(f"{kind}.{p}"),
-                                  following=self.processors[k + 1:])
-                    self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
-                self.stats.add("process", time.perf_counter() - t0)
-
-                with self._stage("calibrate"):
-                    watched = self.report.watch(module) if self.report is not None else []
-                    self._position = i
-                    self._pass_kind = "calibrate"
-                    if i + 1 < len(units):
-                        states = self._run_samples(unit, module, states, keep=True)
-                        if self.spill is not None and self.resume is None:
-                            self.spill.drop_before(i)  # the inputs of this unit are needed no more
-                    elif watched:  # the last unit's outputs feed nothing: forwarded for the report alone
-                        self._run_samples(unit, module, states, keep=False,
-                                          only=self.report.steps_observed(
-                                              self.steps if self.steps is not None else len(states)))
-                if watched:
-                    with self._stage("report"):
-                        self.report.finish_unit(unit, watched)
-
-                with self._stage("save"):
-                    for saver in self.savers:
-                        saver.save_unit(unit, module)
+                with self.stage("load"):  # (in the background: the wait for it)
+                    module = loader.take()
+                loader.start(i + 1)
+                self._process(unit, module, states)
+                states = self._propagate(i, unit, module, states, last)
+                with self.stage("save"):
+                    for hook in self.hooks:
+                        hook.save_unit(unit, module)
                     self.adapter.free_unit(unit, module)
-                    release_cached_memory(device)  # the next unit's different shapes reuse none of these blocks
-                if self.resume is not None and ((i + 1) % self.resume_every == 0 or i + 1 == len(units)):
-                    # after the last unit no unit reads the samples' states: a resume there only finishes the
-                    # output (Kimi-K3 at 1M tokens: ~30 GB per rank written and waited for, for nothing)
-                    with self._stage("resume_state"):
-                        self._keep_state(i, states if i + 1 < len(units) else [])
+                    release_cached_memory(self.dist.device)  # the next unit's different shapes reuse none of these
+                for hook in self.hooks:
+                    hook.unit_done(self, i, states, last)
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
-            with self._stage("resume_state"):
-                self._wait_for_state()
-            if self.spill is not None and self.resume is None:
-                self.spill.close()  # (with resumable state the files go when it is dropped)
+            for hook in self.hooks:
+                hook.loop_done(self)
         finally:
             bar.close()
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            if self._writer is not None:  # a failed run keeps the last unit it finished writing
-                wait([self._writing] if self._writing is not None else [])
-                self._writer.shutdown(wait=True)
+            loader.close()
+            for hook in self.hooks:
+                hook.close()
+        self._publish()
+        return self.stats
 
+    def _process(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> None:
+        """The processors in YAML order, each request answered (pipeline/answers.py)."""
+        t0 = time.perf_counter()
+        ctx = UnitContext(unit, module, self.adapter, self.dist,
+                          run_samples=lambda: self._statistics_pass(unit, module, states),
+                          run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
+                          observing=lambda: observed_now(self._observed, self._step, self.dist))
+        carried = Carried()  # Hessians a pass gathered for a later processor of this unit
+        for k, processor in enumerate(self.processors):
+            self._pass_kind = processor.name
+            t1 = time.perf_counter()
+            run_processor(processor, ctx, stage=lambda kind, p=processor.name: self.stage(f"{kind}.{p}"),
+                          following=self.processors[k + 1:], carried=carried)
+            self.stats.add(f"process.{processor.name}", time.perf_counter() - t1)
+        self.stats.add("process", time.perf_counter() - t0)
+
+    def _propagate(self, index: int, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
+                   last: bool) -> list[dict[str, Any]]:
+        """The forward that makes the next unit's inputs (quantization errors propagate as at inference), with the
+        hooks' observers on; the last unit feeds nothing and is forwarded only where a hook asks."""
+        with self.stage("calibrate"):
+            for hook in self.hooks:
+                hook.propagating(unit, module)
+            self.position = index
+            self._pass_kind = "calibrate"
+            if not last:
+                states = self._run_samples(unit, module, states, keep=True)
+            else:
+                asked = [s for s in (h.last_unit_steps(self._steps(states)) for h in self.hooks) if s is not False]
+                if asked:
+                    only = None if any(s is None for s in asked) else set().union(*asked)
+                    self._run_samples(unit, module, states, keep=False, only=only)
+        for hook in self.hooks:
+            hook.propagated(self, index, unit, last)
+        return states
+
+    def _publish(self) -> None:
+        """Every rank's part on disk, then rank 0 completes the output (the processors' description entries and
+        extra files with it); no rank returns before it is complete."""
         metadata: dict[str, Any] = {}
         extras = OutputExtras()
         for processor in self.processors:
             metadata.update(processor.describe())
             extras.update(processor.extras())
-        with self._stage("save"):
+        with self.stage("save"):
             self.dist.barrier()
-            for saver in self.savers:
-                saver.finish_rank()
-            if self.report is not None:
-                self.report.finish_rank()
+            for hook in self.hooks:
+                hook.finish_rank()
             self.dist.barrier()  # every rank's part is on disk
             if self.dist.is_main:
-                if self.resume is not None:
-                    self.resume.invalidate()  # the merge renames the shards the state counts: it resumes no more
-                for saver in self.savers:
-                    saver.merge(metadata, extras)
-                if self.report is not None:
-                    self.report.merge()
-            self.dist.barrier()  # no rank returns before the output is complete
-        return self.stats
+                for hook in self.hooks:
+                    hook.publish(metadata, extras)
+            self.dist.barrier()
+
+
+class UnitLoader:
+    """Units loaded in order: with `background`, the next one loads in a thread while a unit computes (the thread
+    binds the rank's device once, else its work lands on device 0)."""
+
+    def __init__(self, run: LayerWiseRunner, units: list[Unit]) -> None:
+        self.run, self.units = run, units
+        device = run.dist.device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch", initializer=bind_device,
+                                       initargs=(device,)) if run.background else None
+        self.pending: Future | nn.Module | None = None
+
+    def _load(self, i: int) -> Future | nn.Module:
+        if self.pool is None:
+            with self.run.stage("load"):
+                return self.run.adapter.load_unit(self.units[i], self.run.dist.device)
+        return self.pool.submit(self._load_in_thread, self.units[i])
+
+    def _load_in_thread(self, unit: Unit) -> nn.Module:
+        with ascend_check.watching():
+            return self.run.adapter.load_unit(unit, self.run.dist.device)
+
+    def start(self, i: int) -> None:
+        """Unit `i` starts loading (there is one)."""
+        if i < len(self.units):
+            self.pending = self._load(i)
+
+    def take(self) -> nn.Module:
+        """The unit started last, loaded (in the background: waited for)."""
+        module, self.pending = self.pending, None
+        return module.result() if isinstance(module, Future) else module
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class HostCopies:

@@ -29,7 +29,7 @@ from msmodelslim.errors import UserError
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
 # On the CPU a Hessian's products fill only its upper triangle, a strip of this many rows per product: 0.6-0.85x the
-# time of the whole square in float32, 0.3-0.65x as bf16 dot products (bench/hessian_strips.py); accelerators keep
+# time of the whole square in float32, 0.3-0.65x as bf16 dot products (BENCHMARKS.md, issue 31); accelerators keep
 # one product per chunk (one launch)
 HESSIAN_CPU_STRIP = 128
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,6 @@ from torch import nn
 
 from msmodelslim.core.config import SchemaError, StrictConfig
 from msmodelslim.core.dist import DistContext
-from msmodelslim.core.requests import Stats
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.globs import check_globs
 
@@ -31,13 +30,23 @@ class UnitContext:
     # during such a pass whether the tokens in progress come from those samples (a hook records only then).
     run_first: Callable[[int], None] | None = None
     observing: Callable[[], bool] = lambda: True
-    # Hessians (and their token counts) a pass gathered for a later processor (`Processor.hessians_ahead`)
-    gathered: Stats = field(default_factory=Stats)
 
     @property
     def device(self) -> torch.device:
         return self.dist.device
 
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a processor changes in a unit, declared before it runs, for the Hessians carried past it:
+    - `inputs_rescaled`: it rescales the inputs of the linears it touches by diagonals it yields as `Rescaled`
+      requests, and changes nothing else another module reads (smoothing);
+    - `weights`: the linears whose weights it changes and nothing else (quantization); their readers' inputs change;
+    - neither: unknown, anything may change."""
+
+    inputs_rescaled: bool = False
+    weights: frozenset[str] | None = None
 
 
 @dataclass
@@ -81,9 +90,6 @@ class Processor(ABC):
     # linears, `kv_cache: true` one that quantizes attention (so a practice cannot promise what it never does).
     quantizes_linears: bool = False
     quantizes_attention: bool = False
-    # Its transforms scale the inputs of the linears they touch by a known diagonal, and it rescales the Hessians
-    # gathered for later processors to match (`ctx.gathered`): a later processor may gather in its passes.
-    carries_hessians: bool = False
 
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
@@ -98,12 +104,15 @@ class Processor(ABC):
         """Transform `ctx.module` in place. A processor that needs calibration statistics, cross-rank reductions
         or shared heavy work is a generator yielding requests the runner answers (`core/requests.py`)."""
 
-    def hessians_ahead(self, ctx: UnitContext, before: Sequence[Processor]) -> tuple[str, ...]:
-        """Modules whose Hessians this processor will ask for that the pass of `before[0]` can gather: what the
-        processors `before` it (the asking one first) do to the unit after that pass leaves them the same, or
-        `carries_hessians`. The runner keeps them in `ctx.gathered` and hands them over when asked (a pass fewer).
-        None by default."""
+    def hessians(self, ctx: UnitContext) -> tuple[str, ...]:
+        """Modules of the unit as it is now whose input Hessians over every token this processor will ask for
+        (`Observe.hessian`). The runner may gather them in an earlier processor's pass (pipeline/answers.py)."""
         return ()
+
+    def changes(self, ctx: UnitContext) -> Changes:
+        """What this processor does to the unit, as far as a Hessian gathered before it is concerned (default:
+        anything, so nothing gathered before it is carried past it)."""
+        return Changes()
 
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""

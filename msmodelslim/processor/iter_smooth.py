@@ -45,10 +45,10 @@ from torch import nn
 
 from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.placement import HOST, host_section
-from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Stats
+from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stats
 from msmodelslim.errors import UserError
 from msmodelslim.model.maps import SUBGRAPH_TYPES, WHOLE, Span, Subgraph, SubgraphType
-from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
+from msmodelslim.processor.base import Changes, Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import selected
 from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
 from msmodelslim.quant.granularity import PerChannel
@@ -89,23 +89,6 @@ def divide_rows(linear: nn.Linear, s: torch.Tensor, rows: Span = WHOLE) -> None:
 def multiply_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
     """W[:, j] <- W[:, j] * s_j (the reader sees X / s and computes the same output)."""
     weight.copy_((weight.float() * s.to(weight.device, torch.float32)).to(weight.dtype))
-
-
-@torch.no_grad()
-def rescale_hessians(hessians: dict[str, torch.Tensor], readers: Sequence[str], s: torch.Tensor) -> None:
-    """H <- D H D with D = diag(1 / s) for the readers' Hessians gathered before smoothing: their input became
-    X / s. Readers of one input keep sharing one (new) tensor; the old one is left as it was (an earlier request
-    may hold it). Exact but for the rounding of the smoothed 16-bit weights, which moves every later input by
-    about one rounding of those weights (docs/dev/architecture.md)."""
-    done: dict[int, torch.Tensor] = {}
-    for name in readers:
-        h = hessians.get(name)
-        if h is None:
-            continue
-        if id(h) not in done:
-            inv = 1.0 / s.to(h.device, torch.float32)
-            done[id(h)] = h * torch.outer(inv, inv)  # the outer product is symmetric, so the result stays so
-        hessians[name] = done[id(h)]
 
 
 def error_parts(weight: torch.Tensor, candidates: Sequence[torch.Tensor], hessian: torch.Tensor,
@@ -180,7 +163,6 @@ class IterSmoothConfig(ProcessorConfig):
 @register_processor("iter_smooth", IterSmoothConfig)
 class IterSmoothProcessor(Processor):
     config: IterSmoothConfig
-    carries_hessians = True  # a later GPTQ entry's Hessians, gathered in these passes, are rescaled as smoothed
 
     def __init__(self, config: IterSmoothConfig) -> None:
         super().__init__(config)
@@ -188,6 +170,11 @@ class IterSmoothProcessor(Processor):
         self.chosen: dict[str, list[float | None]] = {}  # searched: alpha (None: not smoothed) per type, this rank
         self.skipped_online = 0  # subgraphs skipped because their reader takes an online rotation
         self.schemes: dict[str, str] = {}  # reader checkpoint name -> planned scheme (for the search)
+
+    def changes(self, ctx: UnitContext) -> Changes:
+        # smoothing divides its readers' inputs by the scales it reports (`Rescaled`): the runner carries a later
+        # GPTQ entry's Hessians, gathered in these passes, through it
+        return Changes(inputs_rescaled=True)
 
     def preflight(self, adapter: Any, schemes: dict[str, str]) -> None:
         self.schemes = dict(schemes)
@@ -277,7 +264,7 @@ class IterSmoothProcessor(Processor):
         full = s.repeat(sg.heads)
         for name in sg.targets + sg.float_targets:
             multiply_columns(modules[name].weight.data, full)
-        rescale_hessians(ctx.gathered.hessian, sg.targets + sg.float_targets, full)
+        yield Rescaled(tuple(sg.targets + sg.float_targets), full)
         self.counts[sg.type] = self.counts.get(sg.type, 0) + 1
 
     # --- the search ---------------------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ the log says how many of each a unit has.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -54,7 +53,7 @@ from msmodelslim.core.device import synchronize
 from msmodelslim.core.placement import to_host
 from msmodelslim.core.requests import Job, Jobs, Observe
 from msmodelslim.errors import UserError, shown
-from msmodelslim.processor.base import Processor, ProcessorConfig, UnitContext, register_processor
+from msmodelslim.processor.base import Changes, Processor, ProcessorConfig, UnitContext, register_processor
 from msmodelslim.processor.globs import matching, selected
 from msmodelslim.quant.gptq import GPTQ_BATCH_BYTES, GPTQ_BATCH_BYTES_CPU, GPTQOptions
 from msmodelslim.quant.granularity import int_dtype
@@ -236,26 +235,13 @@ class LinearQuantProcessor(Processor):
                 linears[live_name] = mod
         return linears
 
-    def hessians_ahead(self, ctx: UnitContext, before: Sequence[Processor]) -> tuple[str, ...]:
-        """This entry's GPTQ Hessians that an earlier pass can gather (`Processor.hessians_ahead`). Through a
-        processor that `carries_hessians` (iter_smooth rescales them with its smoothing) every one; through an
-        entry that quantizes routed experts only, those of the linears that do not read the experts' outputs
-        (`adapter.reads_routed_experts`: attention, shared experts, the latent down-projection). So on Kimi-Linear
-        iter_smooth's first pass gathers both entries' Hessians and neither needs a pass of its own; Kimi-K3's
-        latent up-projection still does."""
-        if self.config.qconfig.weight.method != "gptq":
-            return ()
-        names = list(self._selected(ctx))
-        for processor in before:
-            if isinstance(processor, LinearQuantProcessor):
-                changed = processor._selected(ctx)
-                if not all(ctx.adapter.is_rank_local(n) for n in changed):
-                    return ()
-                if changed:
-                    names = [n for n in names if n not in changed and not ctx.adapter.reads_routed_experts(n)]
-            elif not processor.carries_hessians:
-                return ()
-        return tuple(names)
+    def hessians(self, ctx: UnitContext) -> tuple[str, ...]:
+        """GPTQ's Hessians: every linear of this entry (one that turns out to keep its checkpoint bytes asks for
+        none, and the runner frees one gathered for it)."""
+        return tuple(self._selected(ctx)) if self.config.qconfig.weight.method == "gptq" else ()
+
+    def changes(self, ctx: UnitContext) -> Changes:
+        return Changes(weights=frozenset(self._selected(ctx)))
 
     def process_unit(self, ctx: UnitContext) -> Any:
         cfg = self.config
@@ -264,9 +250,6 @@ class LinearQuantProcessor(Processor):
         if not linears:
             return
         native = self._native_mxfp4(ctx, linears)
-        for name in native:  # kept bytes need no Hessian: drop one an earlier pass gathered
-            ctx.gathered.hessian.pop(name, None)
-            ctx.gathered.tokens.pop(name, None)
         hessians: dict[str, torch.Tensor] = {}
         tokens: dict[str, int] = {}
         if weight_cfg.method == "gptq":  # every rank asks, also one whose linears all kept their bytes

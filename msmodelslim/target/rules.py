@@ -123,9 +123,11 @@ def _served(target: Profile, groups: Groups, plan: LinearPlan) -> None:
             raise UserError(f"spec.process: {name} would be W4A16_MXFP4, which vllm-ascend serves for routed experts "
                             f"only; include it in another linear_quant entry (e.g. W8A8_MXFP8)")
         if entry.scheme == "W4A8_DYNAMIC" and entry.group_size and not target.per_group_w4a8:
-            # vllm-ascend 0.27 methods/w4a8.py: group_size defaults to 0 and > 0 is refused at init
+            # vllm-ascend 0.27 methods/w4a8.py: W4A8_DYNAMIC for MoE only, group_size > 0 refused at init
+            fix = "quantize it per channel" if linear.rank_local else "include it in a W8A8_DYNAMIC entry"
             raise UserError(f"spec.process: {name} would be W4A8_DYNAMIC per group of {entry.group_size}, which "
-                            f"{target.name} refuses at load (W4A8 MoE is per channel there); quantize it per channel")
+                            f"{target.name} refuses at load (its W4A8_DYNAMIC is for MoE layers, per channel); "
+                            f"{fix}")
         if entry.scheme == "W4A8_DYNAMIC" and not entry.group_size and not linear.rank_local:
             # vllm-ascend's W4A8_DYNAMIC linear (methods/w4a8.py AscendW4A8DynamicLinearMethod) is weight-only with
             # weight groups of the description's group_size: per channel (0) it divides by zero building the layer

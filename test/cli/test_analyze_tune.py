@@ -27,7 +27,7 @@ OUTLIER = "language_model.model.layers.2.self_attn.o_proj"
 def minmax_everywhere(source: str, dest: Path, **spec) -> Path:
     """The shipped practice `source` cut to one min/max W4A8_DYNAMIC entry over every linear it quantizes (no
     rotation, no smoothing: what a planted outlier should stand out of), per group of 32 inputs (vllm-ascend serves
-    W4A8 outside the routed experts per group only)."""
+    W4A8 outside the routed experts per group only, and releases/v0.26.0rc alone: `target: vllm-ascend-0.26`)."""
     practice = yaml.safe_load((REPO / "lab_practice" / "kimi_k3" / source).read_text())
     quantizers = [s for s in practice["spec"]["process"] if s["type"] == "linear_quant"]
     include = [g for q in quantizers for g in q["include"]]
@@ -36,7 +36,7 @@ def minmax_everywhere(source: str, dest: Path, **spec) -> Path:
             "qconfig": {"act": {"scope": "per_token", "dtype": "int8"},
                         "weight": {"scope": "per_group", "ext": {"group_size": 32}, "dtype": "int4",
                                    "method": "minmax"}}}
-    practice["spec"].update(process=[step], **spec)
+    practice["spec"].update(process=[step], target="vllm-ascend-0.26", **spec)
     dest.write_text(yaml.safe_dump(practice))
     return dest
 

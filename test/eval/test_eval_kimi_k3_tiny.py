@@ -28,6 +28,7 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
     except ImportError as exc:
         pytest.skip(f"the Kimi-K3 adapter does not import: {exc}")
     from msmodelslim.core.dist import SINGLE
+    from msmodelslim.pipeline.hooks import SaveHook
     from msmodelslim.pipeline.layer_wise import LayerWiseRunner
     from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
     from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
@@ -43,7 +44,7 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
                                                                                 "*routed_expert_*_proj"],
                                                         exclude=["*kv_b_proj", "*.f_b_proj", "*.g_[ab]_proj"]))]
         saver = AscendV1Saver(AscendV1SaverConfig(), adapter, out, SINGLE)
-        LayerWiseRunner(adapter, procs, [saver], background=False).run([])  # dynamic W4A8/W8A8 needs no samples
+        LayerWiseRunner(adapter, procs, [SaveHook([saver])], background=False).run([])  # dynamic W4A8/W8A8 needs no samples
     finally:
         adapter.close()
     return src, out

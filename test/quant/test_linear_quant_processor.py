@@ -6,7 +6,7 @@ from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.pipeline.answers import assign_owners, run_processor
+from msmodelslim.pipeline.answers import Carried, assign_owners, run_processor
 from msmodelslim.processor.base import PROCESSORS, UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.quant import QuantLinear
@@ -400,9 +400,10 @@ def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(l
         experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
                                                                exclude=["*shared_experts*"]))
         rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8_GPTQ, include=["*"]))
-        run_processor(experts, ctx, following=[rest] if gather else ())
-        run_processor(rest, ctx)
-        assert not ctx.gathered.hessian  # everything gathered was handed over
+        carried = Carried()
+        run_processor(experts, ctx, following=[rest] if gather else (), carried=carried)
+        run_processor(rest, ctx, carried=carried)
+        assert not carried.hessian  # everything gathered was handed over
         return len(passes), {n: (m.qweight, m.weight_scale) for n, m in layer.named_modules()
                              if isinstance(m, QuantLinear)}
 

@@ -471,8 +471,8 @@ FAULTS: dict[str, tuple[Fault, str]] = {
                                                        r"known ones are vllm-ascend-0\.26, vllm-ascend-0\.27"),
     "per_group_w4a8_under_0_27": (per_group_w4a8_under_0_27,
                                   r"spec\.process: \S+\.experts\.\d+\.w[123] would be W4A8_DYNAMIC per group of "
-                                  r"32, which vllm-ascend-0\.27 refuses at load \(W4A8 MoE is per channel there\); "
-                                  r"quantize it per channel; --target vllm-ascend-0\.26 loads it"),
+                                  r"32, which vllm-ascend-0\.27 refuses at load \(its W4A8_DYNAMIC is for MoE layers, per "
+                                  r"channel\); quantize it per channel; --target vllm-ascend-0\.26 loads it"),
     "kda_gate_alone_quantized": (kda_gate_alone_quantized,
                                  r"spec\.process: vllm-ascend-0\.27 runs \S+layers\.0\.self_attn\.in_proj_qkvgfab "
                                  r"as one layer .* \(\S+q_proj is FLOAT; \S+g_proj is W8A8_DYNAMIC\); .*"

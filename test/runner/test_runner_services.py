@@ -250,14 +250,14 @@ def test_a_stage_records_the_device_memory_held_in_it_and_the_run_the_most_held_
     device = Counter()
     monkeypatch.setattr(layer_wise, "peak_device_bytes", lambda _device: device.peak)
     monkeypatch.setattr(layer_wise, "reset_peak_device_bytes", device.reset)
-    runner = layer_wise.LayerWiseRunner(adapter=None, processors=[], savers=[])
+    runner = layer_wise.LayerWiseRunner(adapter=None, processors=[])
     device.alloc(5), device.alloc(-5)  # before the first stage
-    with runner._stage("a"):
+    with runner.stage("a"):
         device.alloc(2), device.alloc(-2)
     device.alloc(1)  # between stages, kept
-    with runner._stage("b"):
+    with runner.stage("b"):
         device.alloc(3), device.alloc(-3)
-    with runner._stage("a"):
+    with runner.stage("a"):
         pass
     assert runner.stats.peaks == {"a": 2.0, "b": 4.0} and runner.stats.peak == 5.0
     assert set(runner.stats.seconds) == {"a", "b"}
@@ -363,7 +363,7 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     so the pass forwards those two samples only and its token ranges are theirs. Reference: the same request
     uncapped over a unit that sees just those two samples (exact: integer sums); without a cap every sample."""
     from msmodelslim.pipeline.assembly import place_tokens, split_samples
-    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
 
     g = torch.Generator().manual_seed(3)
     samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "x": torch.randn(n, 12, generator=g)}
@@ -371,7 +371,7 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     found = {}
     for cap in (580, None):
         adapter, probe = OneUnitAdapter(), CappedRanges(cap)
-        LayerWiseRunner(adapter, [probe], [], background=False, place_tokens=place_tokens(samples)).run(
+        LayerWiseRunner(adapter, [probe], schedule=Schedule(place_tokens=place_tokens(samples)), background=False).run(
             split_samples(samples, 0, 1))
         found[cap] = probe
     module = two_readers()
@@ -386,6 +386,7 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
 def test_the_resumable_state_written_in_line_has_the_bytes_of_the_background_write(tmp_path):
     """A CPU run writes its resumable state in line (no thread), accelerators in the background: the same files,
     byte for byte, and only the background run starts the writer thread."""
+    from msmodelslim.pipeline.hooks import ResumeHook
     from msmodelslim.pipeline.layer_wise import LayerWiseRunner
     from msmodelslim.pipeline.resume import ResumeState
 
@@ -401,9 +402,9 @@ def test_the_resumable_state_written_in_line_has_the_bytes_of_the_background_wri
     for background in (True, False):
         resume = Recorded(tmp_path / str(background))
         resume.start({})
-        runner = LayerWiseRunner(OneUnitAdapter(), [], [], background=background, resume=resume)
-        runner.run(samples)
-        assert (runner._writer is not None) == background
+        hook = ResumeHook(resume)
+        LayerWiseRunner(OneUnitAdapter(), [], [hook], background=background).run(samples)
+        assert (hook.writer is not None) == background
         written[background] = resume.files
     assert written[True] == written[False] and any(name.endswith(".pt") for name in written[True])
 

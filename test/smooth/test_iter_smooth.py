@@ -31,7 +31,7 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe
 from msmodelslim.model.kimi_k3.layout import KimiLayout
 from msmodelslim.model.maps import SUBGRAPH_TYPES
-from msmodelslim.pipeline.answers import observe, run_processor
+from msmodelslim.pipeline.answers import Carried, observe, run_processor
 from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.iter_smooth import IterSmoothConfig, IterSmoothProcessor, smooth_scale
 from msmodelslim.processor.quarot import QuaRotConfig, QuaRotProcessor
@@ -203,8 +203,9 @@ def test_smoothing_carries_the_hessians_its_first_pass_gathered_for_gptq():
         experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=w4, include=["*experts.*"],
                                                                exclude=["*shared_experts*"]))
         rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=gptq, include=["*"]))
-        run_processor(smooth, ctx, following=[experts, rest])
-        carried = dict(ctx.gathered.hessian)
+        held = Carried()
+        run_processor(smooth, ctx, following=[experts, rest], carried=held)
+        carried = dict(held.hessian)
         latent = [n for n in rest._selected(ctx) if adapter.reads_routed_experts(n)]
         assert latent and not set(latent) & set(carried)
         assert set(carried) == (set(experts._selected(ctx)) | set(rest._selected(ctx))) - set(latent)
@@ -213,9 +214,9 @@ def test_smoothing_carries_the_hessians_its_first_pass_gathered_for_gptq():
         for name, h in carried.items():  # an expert no token reached has zeros on both sides
             assert (h - observed[name]).norm() <= 1e-5 * observed[name].norm(), name
         passes.clear()
-        run_processor(experts, ctx, following=[rest])
-        run_processor(rest, ctx)
-        assert len(passes) == 1 and not ctx.gathered.hessian  # the latent up-projection's pass; all handed over
+        run_processor(experts, ctx, following=[rest], carried=held)
+        run_processor(rest, ctx, carried=held)
+        assert len(passes) == 1 and not held.hessian  # the latent up-projection's pass; all handed over
     # the same unit unsmoothed: the rescaling was needed
     model, pkg = standin_vlm()
     with standin_cpu_kernels(pkg.modeling_kimi_k3), per_expert_modules(model, model.config.text_config):
