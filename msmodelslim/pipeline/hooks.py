@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from torch import nn
 
 from msmodelslim.core.device import synchronize
 from msmodelslim.errors import UserError
@@ -23,10 +25,9 @@ from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
 from msmodelslim.pipeline.spill import Spilled, StateSpill, state_bytes
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+# `run` below is the LayerWiseRunner calling the hook: its `stage(name)`, `dist`, `background`, `processors` and
+# `position` (the unit in progress) are what hooks read
+LayerWiseRunner = Any
 
 
 class UnitHook:
