@@ -107,7 +107,7 @@ def aggressive_practice(dest: Path, bench_steps: bool, fallback: list[dict] | No
             "qconfig": {"act": {"scope": "per_token", "dtype": ACT_DTYPE, "symmetric": True, "method": "minmax"},
                         "weight": {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "minmax"}}}
     if ACT_DTYPE == "int8":  # vllm-ascend serves W4A8 outside the routed experts per group only, on 0.26 alone
-        step["qconfig"]["weight"].update(scope="per_group", ext={"group_size": 32})  # (target/rules.py)
+        step["qconfig"]["weight"].update(scope="per_group", ext={"group_size": 32})  # (serving/rules.py)
         practice["spec"]["target"] = "vllm-ascend-0.26"
     process = ([{"type": "bench_stash"}] if bench_steps else []) + [step] + \
         ([{"type": "bench_measure"}] if bench_steps else [])

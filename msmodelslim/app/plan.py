@@ -4,7 +4,7 @@ Every check a real run makes before compute runs here too, with the same one-lin
 the save path and its free space, the checkpoint's headers, the processors' preflight, the fused layers). Nothing is
 written, no weight is read: the model is built on the meta device. The plan reports
 
-- the serving target chosen, and whether each known target (target/profiles.py) loads the output, or the rule it
+- the serving target chosen, and whether each known target (serving/profiles.py) loads the output, or the rule it
   refuses it by;
 - the units in order;
 - per linear_quant entry, the linears it selects (first matching entry wins, as in a run): per unit kind and scheme;
@@ -28,8 +28,8 @@ import torch
 from msmodelslim.model.base import Unit
 from msmodelslim.pipeline.assembly import host_state
 from msmodelslim.quant.gptq import GPTQ_BATCH_BYTES
-from msmodelslim.target.linear_plan import LinearPlan, PlannedLinear
-from msmodelslim.target.rules import verdict
+from msmodelslim.serving.linear_plan import LinearPlan, PlannedLinear
+from msmodelslim.serving.rules import verdict
 
 RECORDS_FILE = Path(__file__).with_name("plan_records.json")
 GIB = 1024**3

@@ -40,9 +40,9 @@ from msmodelslim.errors import ResumableError, Terminated, UserError
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
 from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
+from msmodelslim.serving.profiles import profile
 from msmodelslim.source.checkpoint import different_source, source_identity
 from msmodelslim.source.quant_scheme import text_part
-from msmodelslim.target.profiles import profile
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class QuantArgs:
     resume: bool = False  # continue the interrupted run of this save_path from its kept state
     fresh: bool = False  # discard such state and start over
     resumable: bool = True  # keep resumable state when stopped; a round of `tune` has none (tune has no --resume)
-    target: str | None = None  # the serving target, written into spec.target (target/profiles.py)
+    target: str | None = None  # the serving target, written into spec.target (serving/profiles.py)
 
 
 @dataclass

@@ -443,7 +443,7 @@ class Spec(StrictConfig):
     # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
     # with them (docs/user_guide.md section 4).
     mtp: Literal["quantize", "float", "drop"] = "quantize"
-    # The serving target the output is written for (target/profiles.py: vllm-ascend-0.26, vllm-ascend-0.27): its
+    # The serving target the output is written for (serving/profiles.py: vllm-ascend-0.26, vllm-ascend-0.27): its
     # classes' fused layers and load rules are checked before any compute. None: the newest (--target overrides).
     target: str | None = None
     # Every routed expert computes on every token in the statistics passes (its Hessian and ranges see all of its

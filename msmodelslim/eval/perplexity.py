@@ -37,8 +37,8 @@ from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.quant.attention import install_quantizers
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
+from msmodelslim.serving.ascendv1 import QUANT_TYPES, AscendV1Reader
 from msmodelslim.source.checkpoint import different_source, source_identity
-from msmodelslim.target.ascendv1 import QUANT_TYPES, AscendV1Reader
 
 logger = logging.getLogger(__name__)
 

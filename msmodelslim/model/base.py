@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from msmodelslim.errors import UserError
-from msmodelslim.target.fused import fused_groups
-from msmodelslim.target.profiles import Profile, profile
+from msmodelslim.serving.fused import fused_groups
+from msmodelslim.serving.profiles import Profile, profile
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class ModelAdapter(ABC):
         return None
 
     def serve_on(self, target: Profile) -> None:
-        """Write for the serving target `target` (target/profiles.py): its classes decide which linears are fused."""
+        """Write for the serving target `target` (serving/profiles.py): its classes decide which linears are fused."""
         self.__dict__["_target"] = target
 
     @property

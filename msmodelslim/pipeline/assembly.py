@@ -21,10 +21,10 @@ from msmodelslim.pipeline.spill import BUDGET_ENV, host_budget
 from msmodelslim.processor.fallback import apply_fallback
 from msmodelslim.processor.plan import linear_plan, report_native_mxfp4
 from msmodelslim.quant.modules import SCHEMES
-from msmodelslim.target.ascendv1 import FLOAT
-from msmodelslim.target.linear_plan import LinearPlan
-from msmodelslim.target.profiles import profile
-from msmodelslim.target.rules import check_plan
+from msmodelslim.serving.ascendv1 import FLOAT
+from msmodelslim.serving.linear_plan import LinearPlan
+from msmodelslim.serving.profiles import profile
+from msmodelslim.serving.rules import check_plan
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -33,7 +33,7 @@ GIB = 1024**3
 def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int | None = None,
                 label: Label | None = None) -> tuple[list[dict[str, Any]], list[Any], LinearPlan]:
     """The calibration samples, the processors and the linear plan, with every check that needs no compute (the
-    serving target's rules among them, target/rules.py): a plan that matches
+    serving target's rules among them, serving/rules.py): a plan that matches
     nothing, or that cannot produce what the practice's `label` promises, fails here, before any compute (a run and
     `--plan` both go through this). `world`: the ranks the samples are dealt to (default the adapter's)."""
 

@@ -15,7 +15,7 @@ The adapter puts placeholders at the points (`inject_fa3_placeholders`); for the
 each head's calibration range (`Observe.head_ranges`: the narrowest window holding the placeholder's share of each
 sample's values, min/max over samples and ranks), the scale is max|range| / 127 (int8) or / 448 (fp8), and the
 placeholders become quantizers, so later units calibrate on the quantized attention. The saver writes what
-msModelSlim writes (target/ascendv1.py). Put it after linear_quant: the ranges are then those of the quantized
+msModelSlim writes (serving/ascendv1.py). Put it after linear_quant: the ranges are then those of the quantized
 projections, as at run time.
 
 vllm-ascend 0.23 quantizes an MLA's KV cache from `fa_k.scale` only (FAKQuant, kv_c8.py): `fa_k` must be per head.
@@ -40,7 +40,7 @@ from msmodelslim.quant.attention import (
     head_scales,
     install_quantizers,
 )
-from msmodelslim.target.ascendv1 import attention_quant_type
+from msmodelslim.serving.ascendv1 import attention_quant_type
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from msmodelslim.processor.globs import selected
 from msmodelslim.quant.functional import minmax_scale, quantize_with_scale
 from msmodelslim.quant.granularity import PerChannel
 from msmodelslim.quant.modules import get_scheme
-from msmodelslim.target.ascendv1 import FLOAT
+from msmodelslim.serving.ascendv1 import FLOAT
 
 logger = logging.getLogger(__name__)
 

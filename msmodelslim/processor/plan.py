@@ -1,4 +1,4 @@
-"""The run's linear plan built from its processors (target/linear_plan.py): the linear_quant entries in YAML order,
+"""The run's linear plan built from its processors (serving/linear_plan.py): the linear_quant entries in YAML order,
 the first selecting a linear wins, as `LinearQuantProcessor.process_unit` applies them; spec.fallback and spec.mtp
 have already moved linears up (processor/fallback.py) when `pipeline/assembly.prepare_run` builds it."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from msmodelslim.processor.base import Processor
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor, select
-from msmodelslim.target.linear_plan import LinearPlan, PlanEntry, PlannedLinear
+from msmodelslim.serving.linear_plan import LinearPlan, PlanEntry, PlannedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, Line
 
 
 def linear_plan(processors: list[Processor], adapter: Any) -> LinearPlan:
-    """The run's linear plan (target/linear_plan.py) from the processors after spec.fallback and spec.mtp."""
+    """The run's linear plan (serving/linear_plan.py) from the processors after spec.fallback and spec.mtp."""
     quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
     index = {id(cfg): i for i, cfg in enumerate(quantizers)}
     entries = tuple(PlanEntry(cfg.scheme.name, cfg.qconfig.weight.method, cfg.qconfig.weight.group_size or 0,

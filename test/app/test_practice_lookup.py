@@ -133,13 +133,13 @@ def test_shipped_practices_validate_against_the_real_processors(path):
 
 @pytest.mark.parametrize("practice", ["kimi_k3_w4a8", "kimi_k3_w8a8", "kimi_k3_w4a8_mxfp"])
 def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice, tiny_k3_checkpoint):
-    # reference: the fused groups of vLLM 0.33 (target/fused.py), those of the default target vllm-ascend-0.27;
+    # reference: the fused groups of vLLM 0.33 (serving/fused.py), those of the default target vllm-ascend-0.27;
     # every shard of a group must get the scheme of the first shard (no split), and the quantized groups must
     # include the KDA in_proj and the experts
     from msmodelslim.core.config import load_practice
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
     from msmodelslim.processor.plan import linear_plan
-    from msmodelslim.target.rules import check_plan
+    from msmodelslim.serving.rules import check_plan
 
     spec = load_practice(resource_path("lab_practice") / "kimi_k3" / f"{practice}.yaml", *registries()).spec
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:

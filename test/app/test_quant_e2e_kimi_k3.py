@@ -73,8 +73,8 @@ def check_published_rotation(source: Path, save: Path, description: dict) -> Non
     product of the source bf16 table; tolerance: the bf16 rounding of the stored table, 2^-8 relative)."""
     from safetensors.torch import load_file
 
+    from msmodelslim.serving.ascendv1 import AscendV1Reader
     from msmodelslim.source.checkpoint import open_checkpoint
-    from msmodelslim.target.ascendv1 import AscendV1Reader
 
     rel = description["optional"]["quarot"]["rotation_map"]["global_rotation"]
     q = load_file(str(save / rel))["global_rotation"].double()

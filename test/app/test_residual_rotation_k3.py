@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from msmodelslim.cli.main import main
 from msmodelslim.eval.perplexity import wrap_quantized_linears
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 pytestmark = pytest.mark.slow  # whole quantization runs
 

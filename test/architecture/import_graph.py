@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "msmodelslim"
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("msmodelslim", "msmodelslim.errors", "msmodelslim.log")),
     ("core", ("msmodelslim.core",)),
-    ("math, source and target", ("msmodelslim.ops", "msmodelslim.quant", "msmodelslim.source", "msmodelslim.target")),
+    ("math, source and serving", ("msmodelslim.ops", "msmodelslim.quant", "msmodelslim.source", "msmodelslim.serving")),
     ("model", ("msmodelslim.model",)),
     ("processor", ("msmodelslim.processor",)),
     ("pipeline", ("msmodelslim.pipeline",)),

@@ -1,5 +1,5 @@
 """The package's floors, read from its import statements (test/architecture/import_graph.py): leaves < core <
-ops / quant / source / target < model < processor < pipeline < app / eval < cli. No module imports a higher floor, and no
+ops / quant / source / serving < model < processor < pipeline < app / eval < cli. No module imports a higher floor, and no
 import circle exists, between modules or between packages. Exact: these are sets of names."""
 
 from __future__ import annotations

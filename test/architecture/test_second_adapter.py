@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from msmodelslim.app import quant as quant_app
 from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.model.registry import load_registry
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 pytestmark = pytest.mark.slow  # a whole quantization run
 

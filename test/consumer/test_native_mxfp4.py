@@ -16,7 +16,7 @@ from runner.dp_helpers import shrunken_practice
 from safetensors import safe_open
 
 from msmodelslim.app.quant import QuantArgs, quant
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 from .outputs import MX_PRACTICES, PRACTICES
 

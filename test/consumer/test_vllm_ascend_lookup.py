@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from msmodelslim.target.fused import FUSED_RULES
+from msmodelslim.serving.fused import FUSED_RULES
 
 from . import vllm_ascend_cpu as ascend
 from .outputs import MINI, MX_PRACTICES

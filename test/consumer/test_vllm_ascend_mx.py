@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 from .outputs import MX_PRACTICES
 from .test_vllm_ascend_lookup import lookup_failures

@@ -52,7 +52,7 @@ def quantized(tmp_path_factory, tiny_k3_checkpoint):
 
 def test_eval_tiny_kimi_k3_end_to_end(quantized, capsys):
     from msmodelslim.eval import cli_main
-    from msmodelslim.target.ascendv1 import AscendV1Reader
+    from msmodelslim.serving.ascendv1 import AscendV1Reader
 
     src, out = quantized
     if not TEXT.is_file():

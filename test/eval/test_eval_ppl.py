@@ -18,7 +18,7 @@ from msmodelslim.processor.base import UnitContext
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.quant import QuantLinear
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 V, D, H = 64, 32, 64
 W4A8 = {"act": {"dtype": "int8"}, "weight": {"dtype": "int4", "method": "ssz"}}

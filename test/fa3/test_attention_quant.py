@@ -24,7 +24,7 @@ from msmodelslim.quant.attention import (
     FA3QuantPlaceHolder,
     head_scales,
 )
-from msmodelslim.target.ascendv1 import attention_quant_type, parse_attention_quant_type
+from msmodelslim.serving.ascendv1 import attention_quant_type, parse_attention_quant_type
 
 INT8, FP8 = AttentionQuantSpec("int8"), AttentionQuantSpec("fp8_e4m3")
 

@@ -159,8 +159,8 @@ def test_a_qconfig_no_serving_scheme_reads_is_refused_naming_why(qconfig, messag
 
 def test_one_group_size_per_model_mx_and_per_channel_w4a8_cannot_mix():
     from msmodelslim.errors import UserError
-    from msmodelslim.target.linear_plan import LinearPlan, PlanEntry, PlannedLinear
-    from msmodelslim.target.rules import description_group_size
+    from msmodelslim.serving.linear_plan import LinearPlan, PlanEntry, PlannedLinear
+    from msmodelslim.serving.rules import description_group_size
 
     def plan(*entries: tuple[str, int]) -> LinearPlan:
         """One linear per entry (scheme, weight group size)."""

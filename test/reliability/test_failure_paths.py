@@ -185,7 +185,7 @@ def eval_error_of_an_output_recording(source: dict, model: Path, tmp_path: Path,
     """`msmodelslim eval` of `model` against an output whose description records `source`: its one error line."""
     import json
 
-    from msmodelslim.target.ascendv1 import DESCRIPTION_NAME
+    from msmodelslim.serving.ascendv1 import DESCRIPTION_NAME
 
     out = tmp_path / "out"
     out.mkdir()

@@ -30,7 +30,7 @@ from msmodelslim.app.quant import QuantArgs, quant
 from msmodelslim.core import ascend_check
 from msmodelslim.pipeline.launch import STATS_ENV, split_samples
 from msmodelslim.pipeline.resume import ResumeState
-from msmodelslim.target.ascendv1 import AscendV1Reader
+from msmodelslim.serving.ascendv1 import AscendV1Reader
 
 from .dp_helpers import REPO, assert_same_layout, read_output, shrunken_practice
 

@@ -21,7 +21,7 @@ from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantPro
 from msmodelslim.processor.save.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 from msmodelslim.processor.save.base import SAVERS
 from msmodelslim.quant import QuantLinear, dequantize, unpack_int4
-from msmodelslim.target.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
+from msmodelslim.serving.ascendv1 import DESCRIPTION_NAME, INDEX_NAME, AscendV1Error, AscendV1Reader
 
 P = UNIT.prefix
 

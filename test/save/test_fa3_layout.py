@@ -86,7 +86,7 @@ def _out_dir(tmp_path: Path) -> Path:
 
 
 def test_the_reader_serves_the_points_as_written(tmp_path):
-    from msmodelslim.target.ascendv1 import AscendV1Reader
+    from msmodelslim.serving.ascendv1 import AscendV1Reader
 
     reader = AscendV1Reader(_out_dir(tmp_path))
     attention = UNIT.prefix + "self_attn"
@@ -102,7 +102,7 @@ def test_the_reader_serves_the_points_as_written(tmp_path):
     (lambda d, a: d.__setitem__(a + ".fa_q.scale", "FAQuantum"), r"has unknown type 'FAQuantum'"),
 ])
 def test_a_malformed_attention_entry_is_an_error_naming_it(tmp_path, edit, message):
-    from msmodelslim.target.ascendv1 import AscendV1Error, AscendV1Reader
+    from msmodelslim.serving.ascendv1 import AscendV1Error, AscendV1Reader
 
     out = _out_dir(tmp_path)
     path = out / "quant_model_description.json"

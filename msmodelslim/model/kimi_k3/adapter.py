@@ -27,8 +27,8 @@ from msmodelslim.model.kimi_k3.layout import BLOCK_KINDS, KimiLayout
 from msmodelslim.model.kimi_k3.patches import kimi_patches
 from msmodelslim.model.kimi_k3.quarot import PROJECTOR_ROTATION
 from msmodelslim.quant.modules import append_output_linear, remove_output_linear
+from msmodelslim.serving.ascendv1 import quantize_summary
 from msmodelslim.source.quant_scheme import text_part
-from msmodelslim.target.ascendv1 import quantize_summary
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class KimiK3ModelAdapter(HFModelAdapter):
         """Every source field, plus what the serving side reads from the text config:
         - `mla_use_nope: true`: vLLM's Kimi MLA is NoPE-only and refuses a config without it (vllm 0.33
           `models/kimi_k3/nvidia/model.py:740-744`; KimiLinearConfig defaults it off);
-        - msModelSlim's `quantize` / `moe_quantize` / `mla_quantize` summary (target/ascendv1.quantize_summary)."""
+        - msModelSlim's `quantize` / `moe_quantize` / `mla_quantize` summary (serving/ascendv1.quantize_summary)."""
         config = dict(config)
         holder = dict(text_part(config))
         lac = holder.get("linear_attn_config") or {}

@@ -23,7 +23,7 @@ per-channel scale [out, 1]:
 Per quantized attention point P = `<attention>.fa_{q,k,v}` (an `AttentionFakeQuant`): per head, P.scale float32
 [heads, 1] and P.offset zeros (int8 for int8, float32 for fp8), described FAQuant; per token, nothing. Every
 quantized attention gets `<attention>.quant_type`, and the header `fa_quant_type: FAKQuant` when a point is per
-head (target/ascendv1.py; what msModelSlim 26.1.0 writes).
+head (serving/ascendv1.py; what msModelSlim 26.1.0 writes).
 FLOAT tensors (norms, router, convs, A_log, dt_bias, embeddings, lm_head, unquantized linears) are written in the
 dtype the source checkpoint stores them in (so fp32 A_log / dt_bias / e_score_correction_bias stay fp32); tensors
 the source stores as MXFP4 or does not have are written as `float_dtype` (bfloat16).
@@ -64,8 +64,7 @@ from msmodelslim.processor.save.base import Saver, SaverConfig, register_saver
 from msmodelslim.quant.attention import AttentionFakeQuant, AttentionQuantSpec
 from msmodelslim.quant.modules import ONLINE_ROTATION, QuantLinear, get_scheme
 from msmodelslim.quant.packing import pack_int4
-from msmodelslim.source.checkpoint import source_identity
-from msmodelslim.target.ascendv1 import (
+from msmodelslim.serving.ascendv1 import (
     ATTENTION_QUANT_KEY,
     DESCRIPTION_NAME,
     FA_QUANT_TYPE,
@@ -78,7 +77,8 @@ from msmodelslim.target.ascendv1 import (
     is_int4,
     shard_name,
 )
-from msmodelslim.target.fused import split_of
+from msmodelslim.serving.fused import split_of
+from msmodelslim.source.checkpoint import source_identity
 
 logger = logging.getLogger(__name__)
 
@@ -439,7 +439,7 @@ class AscendV1Saver(Saver):
         for group, shards in self._fused_groups:
             schemes = {description[f"{s}.weight"] for s in shards if f"{s}.weight" in description}
             if len(schemes) > 1 and self.adapter.target.kda_split and split_of(group):
-                continue  # the split the target loads by its shards (checked before compute, target/rules.py)
+                continue  # the split the target loads by its shards (checked before compute, serving/rules.py)
             if len(schemes) > 1:
                 raise ValueError(f"{group}: its shards were written with different schemes {sorted(schemes)}")
             if schemes:
@@ -486,7 +486,7 @@ class AscendV1Saver(Saver):
         header: dict[str, Any] = {"model_quant_type": model_quant_type(set(description.values())),
                                   "version": FORMAT_VERSION}
         # One value for the model (vLLM-Ascend's W4A8 assumes 256 when the key is absent): the per-group W4A8 group
-        # size, 32 for MX, else 0 (per channel). The practice check refused a mix (target/rules.description_group_size).
+        # size, 32 for MX, else 0 (per channel). The practice check refused a mix (serving/rules.description_group_size).
         read = group_sizes - {0}
         if len(read) > 1:
             raise ValueError(f"quantized linears need group sizes {sorted(read)}; the description holds one")

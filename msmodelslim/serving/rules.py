@@ -2,7 +2,7 @@
 is one error line naming the linear, the rule and the profile that accepts it; `--plan` prints the verdict of every
 profile.
 
-The rules are the profile's data (target/profiles.py) and the fused tables (target/fused.py); what vllm-ascend
+The rules are the profile's data (serving/profiles.py) and the fused tables (serving/fused.py); what vllm-ascend
 needs of every profile alike (one group size per model, schemes it serves for routed experts only, input widths the
 blocks divide) is here too.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 from msmodelslim.errors import UserError
 from msmodelslim.quant.modules import SCHEMES
-from msmodelslim.target.ascendv1 import FLOAT
-from msmodelslim.target.fused import fused_groups, split_of
-from msmodelslim.target.linear_plan import LinearPlan
-from msmodelslim.target.profiles import PROFILES, Profile
+from msmodelslim.serving.ascendv1 import FLOAT
+from msmodelslim.serving.fused import fused_groups, split_of
+from msmodelslim.serving.linear_plan import LinearPlan
+from msmodelslim.serving.profiles import PROFILES, Profile
 
 # Inputs a weight's in_features must be a multiple of: W4A8_MXFP / W4A4_MXFP4 pair their E8M0 scales without
 # padding (vllm-ascend `w4a8_mxfp4.py:90-96`, `w4a4_mxfp4.py:104-115`), every MX scheme has blocks of 32.

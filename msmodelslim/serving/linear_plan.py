@@ -2,14 +2,14 @@
 
 The linear_quant entries say which linears they take (processor/plan.py `linear_plan`, the first entry in
 YAML order wins), spec.fallback and spec.mtp have moved some up, and the serving target has checked the whole
-(target/rules.py). The run, `--plan`, `analyze` and `tune` read this object; none of them asks the processors again.
+(serving/rules.py). The run, `--plan`, `analyze` and `tune` read this object; none of them asks the processors again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from msmodelslim.target.ascendv1 import FLOAT
+from msmodelslim.serving.ascendv1 import FLOAT
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The serving target (target/profiles.py): a run is checked against the engine it is written for, before compute.
+"""The serving target (serving/profiles.py): a run is checked against the engine it is written for, before compute.
 
 References: vllm-ascend's own acceptance rules as read in docs/dev/facts/vllm_ascend_0.27_kimi_k3.md, written out
 again here (not imported): 0.27 loads KDA's packed in_proj_qkvgfab when all six shards share one type, or when

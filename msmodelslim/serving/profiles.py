@@ -1,6 +1,6 @@
 """The consumers an AscendV1 output is written for: one profile per vllm-ascend line, its rules as data.
 
-A profile says which model classes serve each model type (their fused tables: target/fused.py) and what the engine
+A profile says which model classes serve each model type (their fused tables: serving/fused.py) and what the engine
 refuses at load. Each rule carries where it was read (docs/dev/facts/vllm_ascend_0.27_kimi_k3.md has the reading):
 - `vllm-ascend-0.26`: branch `releases/v0.26.0rc` (base vLLM 0.26). Kimi-K3 runs vllm-ascend's own class (KDA q/k/v
   as `fused_qkv`, b/f_a/g separate); Kimi-Linear runs vLLM's class, every KDA / MLA linear separate. Per-group W4A8
@@ -22,7 +22,7 @@ from msmodelslim.errors import UserError
 class Profile:
     name: str
     engine: str  # the release line, for messages
-    layouts: dict[str, tuple[str, ...]]  # model_type -> serving layouts (target/fused.py) of its classes
+    layouts: dict[str, tuple[str, ...]]  # model_type -> serving layouts (serving/fused.py) of its classes
     per_group_w4a8: bool  # W4A8_DYNAMIC MoE with group_size > 0 loads
     kda_split: bool  # in_proj_qkvgfab also loads as q/k/v quantized + g/f_a/b FLOAT
     mtp_described: bool  # MTP layers are built with the quant config (their linears need keys)

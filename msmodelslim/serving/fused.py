@@ -9,7 +9,7 @@ An AscendV1 output is served by vllm-ascend, whose layers come from one of three
 - `vllm-0.33`: vLLM 0.33's Kimi-Linear / Kimi-K3 classes (`vllm/models/kimi_k3/nvidia/model.py:935-941`, `load_weights`
   :1252-1283): KDA q/k/v/g/b/f_a as `in_proj_qkvgfab`, MLA q_a + kv_a (+ the output gate) as `fused_qkv_a(_g)_proj`.
   vllm-ascend 0.27 runs these classes' KDA packing, and also loads `in_proj_qkvgfab` split: q/k/v of one quantized
-  type, g/f_a/b FLOAT (`FusedRule.split`; a profile says whether it accepts that, target/profiles.py).
+  type, g/f_a/b FLOAT (`FusedRule.split`; a profile says whether it accepts that, serving/profiles.py).
 Every layout runs dense and shared MLPs' gate/up as `gate_up_proj` and a MoE's routed experts as one layer
 (vllm-ascend reads one scheme for a FusedMoE, `modelslim_config.py:71-303`). `conv1d` is fused too, but convolutions
 are never quantized. The serving target (a profile) names the layouts of each model type.
