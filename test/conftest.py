@@ -7,11 +7,8 @@ Tiers: `make test` runs everything (CI); `make test-fast` (`pytest -m "not slow"
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,28 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Under pytest-xdist (`make test` runs two workers on the two-core CI machine), the tests that share one expensive
-# session fixture run in one worker, which builds it once.
-SHARED_FIXTURE_GROUPS = ("mini_runs", "outputs")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a whole quantization run (subprocess, several ranks, the consumer "
                                        "outputs); left out by `make test-fast`")
-    config.addinivalue_line("markers", "xdist_group(name): run in one pytest-xdist worker (`--dist loadgroup`)")
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:  # a temporary folder per worker: tests that list $TMPDIR before and after see only their own runs
-        folder = Path(tempfile.gettempdir()) / f"msmodelslim-tests-{os.getpid()}-{worker}"
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
-        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        group = next((name for name in SHARED_FIXTURE_GROUPS if name in getattr(item, "fixturenames", ())), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
