@@ -9,7 +9,6 @@ blocks divide) is here too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from msmodelslim.errors import UserError
@@ -28,41 +27,34 @@ Groups = list[tuple[str, list[str]]]
 
 
 def check_plan(plan: LinearPlan, adapter: Any) -> None:
-    """Every rule of the adapter's serving target (`adapter.target`) on `plan`: UserError at the first broken."""
+    """Every rule of the adapter's serving target (`adapter.target`) on `plan`: UserError at the first broken,
+    naming the targets that load the plan."""
     target = adapter.target
-    others = [p for p in PROFILES.values() if p is not target]
-    groups = adapter.fused_groups()
+    refused = refusal(target, plan, adapter)
+    if refused is not None:
+        loading = [p.name for p in PROFILES.values() if p is not target and refusal(p, plan, adapter) is None]
+        raise UserError(f"{refused}" + (f"; --target {' or '.join(loading)} loads it" if loading else ""))
 
-    def accepting(rule: Callable[..., None]) -> str:
-        names = []
-        for other in others:
-            try:
-                rule(other, _groups_under(other, plan, adapter), plan=plan)
-            except UserError:
-                continue
-            names.append(other.name)
-        return f"; --target {' or '.join(names)} loads it" if names else ""
 
+def verdict(plan: LinearPlan, adapter: Any) -> dict[str, str]:
+    """Profile name -> "loads" (with what a user should know) or the first rule it refuses the plan by (--plan)."""
+    out = {}
+    for name, candidate in PROFILES.items():
+        refused = refusal(candidate, plan, adapter)
+        out[name] = f"refuses: {refused}" if refused is not None else \
+            "loads" + _notes(candidate, plan, _groups_under(candidate, plan, adapter))
+    return out
+
+
+def refusal(target: Profile, plan: LinearPlan, adapter: Any) -> UserError | None:
+    """The first rule of `target` the plan breaks, or None: the target loads it."""
+    groups = _groups_under(target, plan, adapter)
     for rule in (_fused, _served, _group_sizes):
         try:
             rule(target, groups, plan=plan)
         except UserError as exc:
-            raise UserError(f"{exc}{accepting(rule)}") from None
-
-
-def verdict(plan: LinearPlan, adapter: Any) -> dict[str, str]:
-    """Profile name -> "loads" or the first rule it refuses the plan by (for `--plan`)."""
-    out = {}
-    for name, candidate in PROFILES.items():
-        groups = _groups_under(candidate, plan, adapter)
-        try:
-            for rule in (_fused, _served, _group_sizes):
-                rule(candidate, groups, plan=plan)
-        except UserError as exc:
-            out[name] = f"refuses: {exc}"
-        else:
-            out[name] = "loads" + _notes(candidate, plan, groups)
-    return out
+            return exc
+    return None
 
 
 def _groups_under(target: Profile, plan: LinearPlan, adapter: Any) -> Groups:
