@@ -1,7 +1,9 @@
 """vllm-ascend 0.23.0.post1's own scheme lookup on our outputs: failing lookups / layers looked up, per output and
 consumer class (the table of issue 14), for every shipped practice of both models (the Ascend 950 and per-group ones
-too, issue 25), in each class its practice serves (`spec.serving`; vllm-ascend's own Kimi-K3 class of
-releases/v0.26.0rc for Kimi-K3, issue 32). Same code as test/consumer (which asserts it on a subset); this prints the numbers.
+too, issue 25), in each class of the serving target its practice is written for (`spec.target`, default
+vllm-ascend-0.27: vLLM 0.33's packed classes; vllm-ascend-0.26: vllm-ascend's own Kimi-K3 class of
+releases/v0.26.0rc, vLLM 0.23's Kimi-Linear; issues 32, 49). Same code as test/consumer (which asserts it on a
+subset, the 0.26 class on the default outputs too); this prints the numbers.
 
     python bench/lookup.py
 """

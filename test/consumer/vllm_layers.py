@@ -125,6 +125,21 @@ V026RC = {
     ],
 }
 
+# serving/fused.py's layout names -> the layers of that consumer class
+LAYOUTS = {"vllm-ascend-0.23": V023, "vllm-ascend-0.26rc": V026RC, "vllm-0.33": V033}
+
+
+def served_specs(out, multimodal: bool) -> list[dict]:
+    """The consumer classes of the serving target an output was written for (its copied practice's `spec.target`,
+    default the newest; serving/profiles.py), for this model's type."""
+    import yaml
+
+    from msmodelslim.serving.profiles import profile
+
+    practice = yaml.safe_load(next(out.glob("*_best_practice.yaml")).read_text())
+    layouts = profile(practice["spec"].get("target")).layouts_for("kimi_k3" if multimodal else "kimi_linear")
+    return [LAYOUTS[name] for name in layouts]
+
 
 def model_flags(text_config: dict) -> set[str]:
     """The row conditions a text config satisfies."""
