@@ -178,10 +178,8 @@ class ResumeHook(UnitHook):
         self.spill = spill
         self.writer: ThreadPoolExecutor | None = None  # writes the resumable state behind the compute
         self._writing: Future | None = None
-        self._processors: list[Any] = []
 
     def restore(self, run: LayerWiseRunner) -> tuple[int, list[dict[str, Any]]] | None:
-        self._processors = run.processors
         if self.after is None:
             return None
         kept = self.resume.load(run.dist.rank, self.after)
@@ -218,7 +216,7 @@ class ResumeHook(UnitHook):
         snapshot = {
             "states": states,
             "savers": [saver.resume_state() for saver in self.savers],
-            "processors": [processor.resume_state() for processor in self._processors],
+            "processors": [processor.resume_state() for processor in run.processors],
             "report": None if self.report is None else self.report.resume_state(),
         }
         shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}

@@ -40,15 +40,18 @@ def verdict(plan: LinearPlan, adapter: Any) -> dict[str, str]:
     """Profile name -> "loads" (with what a user should know) or the first rule it refuses the plan by (--plan)."""
     out = {}
     for name, candidate in PROFILES.items():
-        refused = refusal(candidate, plan, adapter)
-        out[name] = f"refuses: {refused}" if refused is not None else \
-            "loads" + _notes(candidate, plan, _groups_under(candidate, plan, adapter))
+        groups = _groups_under(candidate, plan, adapter)
+        refused = _first_refusal(candidate, plan, groups)
+        out[name] = f"refuses: {refused}" if refused is not None else "loads" + _notes(candidate, plan, groups)
     return out
 
 
 def refusal(target: Profile, plan: LinearPlan, adapter: Any) -> UserError | None:
     """The first rule of `target` the plan breaks, or None: the target loads it."""
-    groups = _groups_under(target, plan, adapter)
+    return _first_refusal(target, plan, _groups_under(target, plan, adapter))
+
+
+def _first_refusal(target: Profile, plan: LinearPlan, groups: Groups) -> UserError | None:
     for rule in (_fused, _served, _group_sizes):
         try:
             rule(target, groups, plan=plan)
