@@ -42,6 +42,10 @@ class Observe:
     `tokens`: observe only the samples of the first `tokens` calibration tokens of the global order
     (`assembly.first_places`, the same on any number of ranks): a statistic that does not need every token costs
     nothing past them. None: every sample. A capped pass gathers nothing ahead for later processors.
+
+    `sample`, `sample_tokens`: the processor will later ask a capped Observe (`tokens` = `sample_tokens`) of these
+    modules only: the runner keeps their inputs over those samples from this pass and answers that request from
+    them, the same statistics without a forward (a pass saved; pipeline/answers.py).
     """
 
     absmax: Sequence[str] = ()
@@ -50,6 +54,12 @@ class Observe:
     ranges: Mapping[str, torch.Tensor] | None = None
     head_ranges: Mapping[str, tuple[int, float]] = field(default_factory=dict)
     tokens: int | None = None
+    sample: Sequence[str] = ()
+    sample_tokens: int | None = None
+
+    def modules(self) -> set[str]:
+        """Every module whose inputs this request's statistics read."""
+        return {*self.absmax, *self.hessian, *self.token_ranges, *self.head_ranges}
 
 
 @dataclass

@@ -19,18 +19,48 @@ from torch import nn
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stats
-from msmodelslim.pipeline.statistics import kinds_for
+from msmodelslim.pipeline.statistics import Statistic, kinds_for
 from msmodelslim.processor.base import UnitContext
 
 
+class Sample:
+    """The inputs of some modules over the samples of the first `tokens` calibration tokens, as a pass met them, in
+    its order (readers of one input share one copy), kept on the device until the processor that asked for them
+    (`Observe.sample`) makes its capped Observe of them, which `replayed` answers from them without a forward:
+    what the hooks of that pass would have recorded, in the same calls and order, so the same statistics. The
+    smoothing search's sample: its first 65,536 tokens' inputs of a subgraph's measured readers (at Kimi-K3's
+    widths ~4 GB on one EP-8 rank: the hidden-state readers 2 x 0.9, o_proj 1, the local experts 0.9)."""
+
+    def __init__(self, names: Sequence[str], tokens: int | None) -> None:
+        self.names = frozenset(names)
+        self.tokens = tokens
+        self.calls: list[tuple[str, torch.Tensor]] = []
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (the input as the pass met it, its copy)
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        last = self._last
+        if last is None or not _same_input(last[0], x):
+            last = self._last = (x, x.clone())  # holding x keeps its address its own while it is compared
+        self.calls.append((name, last[1]))
+
+    def serves(self, request: Observe) -> bool:
+        return request.tokens == self.tokens and request.modules() <= self.names
+
+
+def _same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a._version == b._version
+
+
 class Carried:
-    """Hessians (with their token counts) a pass gathered for a processor that runs later on the same unit, kept by
-    the runner between processors. Which ones it gathers and how far they go follow from what each processor
-    declares (`Processor.hessians`, `Processor.changes`); no processor knows its peers."""
+    """What the runner keeps between the requests of one unit: the Hessians (with their token counts) a pass
+    gathered for a processor that runs later on the same unit, and the inputs sample a processor asked to be kept
+    for its own capped Observe (`Sample`). Which Hessians a pass gathers and how far they go follow from what each
+    processor declares (`Processor.hessians`, `Processor.changes`); no processor knows its peers."""
 
     def __init__(self) -> None:
         self.hessian: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {}
+        self.sample: Sample | None = None
 
     def rescale(self, modules: Sequence[str], scale: torch.Tensor) -> None:
         """H <- D H D with D = diag(1 / s) for the carried Hessians of `modules`, whose inputs became X / s. Readers
@@ -78,6 +108,7 @@ def run_processor(processor: Any, ctx: UnitContext,
             with stage(type(request).__name__.lower()) if stage is not None else contextlib.nullcontext():
                 ahead = gatherable(ctx, processor, following) if isinstance(request, Observe) else ()
                 reply = answer(ctx, request, ahead, carried)
+    carried.sample = None  # kept for this processor only
     carried.keep_only({name for later in following for name in later.hessians(ctx)})
 
 
@@ -126,30 +157,30 @@ def answer(ctx: UnitContext, request: Any, ahead: Sequence[str] = (), carried: C
 # ---------------------------------------------------------------------------------------------------------------
 # Statistics (the kinds and their exact reductions: statistics.py)
 # ---------------------------------------------------------------------------------------------------------------
-def observe(ctx: UnitContext, request: Observe) -> Stats:
+def observe(ctx: UnitContext, request: Observe, sample: Sample | None = None) -> Stats:
     """One calibration pass with a hook per observed module, then each kind's reduction over data-parallel ranks
-    for the replicated modules (routed experts under EP already saw every rank's tokens)."""
-    missing_ranges = [n for n in request.token_ranges if n not in (request.ranges or {})]
-    if missing_ranges:
-        raise ValueError(f"unit {ctx.unit.name}: token ranges of {missing_ranges[0]} need the ranges they were "
-                         f"computed from")
+    for the replicated modules (routed experts under EP already saw every rank's tokens). `sample`: the inputs of
+    its modules over its first tokens are kept into it in the same pass."""
+    kinds = _kinds(ctx, request)
     modules = dict(ctx.module.named_modules())
-    kinds = [kind(request, dict(request.ranges or {}), ctx.device) for kind in kinds_for(request)]
-    names = sorted({n for k in kinds for n in k.names})
+    keeping = sample.names if sample is not None else frozenset()
+    names = sorted({n for k in kinds for n in k.names} | keeping)
     missing = [n for n in names if n not in modules]
     if missing:
         raise KeyError(f"unit {ctx.unit.name}: no module named {missing[0]!r}")
 
     def make_hook(name: str) -> Callable:
         watching = [k for k in kinds if name in k.names]
+        keep = sample if name in keeping else None
 
         def hook(_mod: nn.Module, args: tuple) -> None:
             x = args[0].detach()
-            if not x.numel() or (request.tokens is not None and not ctx.observing()):
+            if not x.numel():
                 return
-            flat = x.reshape(-1, x.shape[-1])
-            for k in watching:
-                k.record(name, flat if k.flat_input else x)
+            if keep is not None and ctx.within_first(keep.tokens):
+                keep.record(name, x)
+            if request.tokens is None or ctx.observing():
+                _record(watching, name, x)
 
         return hook
 
@@ -163,6 +194,36 @@ def observe(ctx: UnitContext, request: Observe) -> Stats:
     finally:
         for h in handles:
             h.remove()
+    return _finished(ctx, kinds, modules)
+
+
+def replayed(ctx: UnitContext, request: Observe, sample: Sample) -> Stats:
+    """`observe` of a capped request over a kept `sample` of its modules' inputs (`Sample.serves`): the same calls
+    in the same order reach the same kinds, so the same statistics, and no forward runs."""
+    kinds = _kinds(ctx, request)
+    with torch.no_grad():
+        for name, x in sample.calls:
+            watching = [k for k in kinds if name in k.names]
+            if watching:
+                _record(watching, name, x)
+    return _finished(ctx, kinds, dict(ctx.module.named_modules()))
+
+
+def _kinds(ctx: UnitContext, request: Observe) -> list[Statistic]:
+    missing_ranges = [n for n in request.token_ranges if n not in (request.ranges or {})]
+    if missing_ranges:
+        raise ValueError(f"unit {ctx.unit.name}: token ranges of {missing_ranges[0]} need the ranges they were "
+                         f"computed from")
+    return [kind(request, dict(request.ranges or {}), ctx.device) for kind in kinds_for(request)]
+
+
+def _record(kinds: Sequence[Statistic], name: str, x: torch.Tensor) -> None:
+    flat = x.reshape(-1, x.shape[-1])
+    for k in kinds:
+        k.record(name, flat if k.flat_input else x)
+
+
+def _finished(ctx: UnitContext, kinds: Sequence[Statistic], modules: dict[str, nn.Module]) -> Stats:
     stats = Stats()
     with torch.no_grad():
         for k in kinds:  # the same kinds in the same order on every rank: the collectives line up
@@ -174,15 +235,23 @@ def observe_gathering(ctx: UnitContext, request: Observe, ahead: Sequence[str], 
     """`observe`, with the Hessians of `ahead` gathered in the same pass and kept for a later processor
     (`carried`), and the Hessians an earlier pass gathered for this request handed over instead of observed (kept
     too where `ahead` names them again: then it is one object in both places, and whoever changes it makes a new
-    one): no pass at all when nothing else is asked."""
+    one): no pass at all when nothing else is asked. A request that asks for a sample gets it kept in `carried`; a
+    capped one the kept sample serves is answered from it (`replayed`), also without a pass."""
     # a capped pass gathers nothing: later processors want Hessians of every token
     gathering = () if request.tokens is not None else ahead
     kept = [n for n in request.hessian if n in carried.hessian]
     extra = [n for n in gathering if n not in request.hessian and n not in carried.hessian]
     if kept or extra:
         request = replace(request, hessian=(*(n for n in request.hessian if n not in kept), *extra))
-    asks = request.absmax or request.hessian or request.token_ranges or request.head_ranges
-    stats = observe(ctx, request) if asks else Stats()
+    sample = Sample(request.sample, request.sample_tokens) if request.sample else None
+    if not request.modules() and sample is None:
+        stats = Stats()
+    elif sample is None and carried.sample is not None and carried.sample.serves(request):
+        stats, carried.sample = replayed(ctx, request, carried.sample), None
+    else:
+        stats = observe(ctx, request, sample)
+    if sample is not None:
+        carried.sample = sample
     for name in extra:
         carried.hessian[name], carried.tokens[name] = stats.hessian.pop(name), stats.tokens.pop(name)
     ahead_set = set(ahead)

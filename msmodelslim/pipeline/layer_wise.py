@@ -103,6 +103,7 @@ class LayerWiseRunner:
         self.position = 0  # the unit being processed: its index in adapter.units()
         self._step = 0  # this rank's sample in progress
         self._observed: set[int] | None = None  # the places a capped statistics pass observes
+        self._places: dict[int, set[int] | None] = {}  # first_places by token cap
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
 
     @contextlib.contextmanager
@@ -133,14 +134,22 @@ class LayerWiseRunner:
                          tokens: int | None = None) -> None:
         """A pass for a processor's statistics (no state kept): over every sample, or over those of the first
         `tokens` calibration tokens of the global order (the steps where some rank forwards one)."""
-        place_tokens = self.schedule.place_tokens
-        places = None if tokens is None or place_tokens is None else first_places(place_tokens, tokens)
+        places = self._first_places(tokens)
         self._observed = places
         try:
             self._run_samples(unit, module, states, keep=False,
                               only=steps_with(places, self._steps(states), self.dist.world_size))
         finally:
             self._observed = None
+
+    def _first_places(self, tokens: int | None) -> set[int] | None:
+        """The places of the samples of the first `tokens` calibration tokens (None: every sample)."""
+        place_tokens = self.schedule.place_tokens
+        if tokens is None or place_tokens is None:
+            return None
+        if tokens not in self._places:
+            self._places[tokens] = first_places(place_tokens, tokens)
+        return self._places[tokens]
 
     def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                          keep: bool, only: set[int] | None) -> list[dict[str, Any]]:
@@ -235,7 +244,8 @@ class LayerWiseRunner:
         ctx = UnitContext(unit, module, self.adapter, self.dist,
                           run_samples=lambda: self._statistics_pass(unit, module, states),
                           run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
-                          observing=lambda: observed_now(self._observed, self._step, self.dist))
+                          observing=lambda: observed_now(self._observed, self._step, self.dist),
+                          within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist))
         carried = Carried()  # Hessians a pass gathered for a later processor of this unit
         for k, processor in enumerate(self.processors):
             self._pass_kind = processor.name

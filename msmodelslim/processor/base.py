@@ -30,6 +30,9 @@ class UnitContext:
     # during such a pass whether the tokens in progress come from those samples (a hook records only then).
     run_first: Callable[[int], None] | None = None
     observing: Callable[[], bool] = lambda: True
+    # During any pass: whether the tokens in progress come from the samples of the first N calibration tokens (None:
+    # every token), so a hook can keep those inputs for a capped statistic answered later without a pass.
+    within_first: Callable[[int | None], bool] = lambda tokens: True
 
     @property
     def device(self) -> torch.device:

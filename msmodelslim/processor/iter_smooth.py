@@ -18,9 +18,11 @@ practice's linear_quant plan), with D = diag(1/s):
     weight part      tr(dW D H D dW^T),  dW = RTN(W diag(s)) - W diag(s),  H = X^T X
     activation part  ||W diag(s)||_F^2 * sum_t (max_j |x_tj| / s_j)^2 / (12 qmax_a^2)
 (the second is the per-token quantizer's uniform rounding noise on X / s). H is over every calibration token when
-the first pass gathered it for a GPTQ entry after this one; else the second pass observes it. The per-token ranges
-are summed in the second pass over the samples of the first `search_tokens` calibration tokens (the same on any
-number of ranks) and scaled to H's tokens, so past that sample a token costs the search nothing. The ranges are
+the first pass gathered it for a GPTQ entry after this one; else it is taken over the sample. The per-token ranges
+are summed over the samples of the first `search_tokens` calibration tokens (the same on any number of ranks),
+whose inputs the runner keeps from the first pass (the candidates need that pass's maxima first, so the sums come
+after it, from the kept inputs: one pass, `Observe.sample`), and scaled to H's tokens, so past that sample a token
+costs the search nothing. The ranges are
 exact integer sums and H is what pipeline/statistics.py guarantees, so the choice is the same on a rerun, on a
 resume, and across rank counts as far as H is.
 
@@ -211,10 +213,14 @@ class IterSmoothProcessor(Processor):
         # EP forward is collective) and cross-rank subgraphs are always measured, their decision reduced over ranks
         subgraphs = [sg for sg in subgraphs if sg.across_ranks or self.selected(ctx, sg)]
         names = sorted({t for sg in subgraphs for t in sg.targets})
-        absmax = (yield Observe(absmax=tuple(names))).absmax
+        readers = [self._reader_schemes(ctx, sg) for sg in subgraphs] if self.config.search else []
+        groups = [_input_groups(tuple(r), ctx.adapter.is_rank_local) for r in readers]
+        # the search's token sample is kept from this pass (its ranges need this pass's maxima first): one pass
+        sample = tuple(group[0] for g in groups for group in g) if self.config.search_tokens is not None else ()
+        absmax = (yield Observe(absmax=tuple(names), sample=sample, sample_tokens=self.config.search_tokens)).absmax
         alphas: dict[int, float | None] = {i: self.config.alpha for i in range(len(subgraphs))}
         if self.config.search:
-            alphas = yield from self._search(ctx, subgraphs, modules, absmax)
+            alphas = yield from self._search(ctx, subgraphs, modules, absmax, readers, groups)
         for kind in SUBGRAPH_TYPES:
             for i, sg in enumerate(subgraphs):
                 if sg.type == kind:
@@ -278,20 +284,19 @@ class IterSmoothProcessor(Processor):
         return out
 
     def _search(self, ctx: UnitContext, subgraphs: list[Subgraph], modules: dict[str, nn.Module],
-                absmax: dict[str, torch.Tensor]) -> Any:
-        """alpha (or None: no smoothing) per subgraph index, minimising the modelled error."""
+                absmax: dict[str, torch.Tensor], readers: list[dict[str, Any]],
+                groups: list[list[tuple[str, ...]]]) -> Any:
+        """alpha (or None: no smoothing) per subgraph index, minimising the modelled error. `readers`: each
+        subgraph's quantized readers and their schemes; `groups`: those readers by input (the first one is
+        measured)."""
         candidates: dict[int, list[torch.Tensor]] = {}  # subgraph -> full-width scales, "none" first
         token_ranges: dict[str, torch.Tensor] = {}
-        readers: dict[int, dict[str, Any]] = {}
-        groups: dict[int, list[tuple[str, ...]]] = {}  # readers of one input; the first one is measured
         for i, sg in enumerate(subgraphs):
             x_max, w_max, _ = yield from self._reduced_statistics(ctx, sg, modules, absmax)
-            readers[i] = self._reader_schemes(ctx, sg)
             ones = torch.ones_like(x_max, dtype=torch.float32)
             candidates[i] = [ones] + [self._scale(sg, x_max, w_max, a).repeat(sg.heads)
                                       for a in self.config.search_alphas]
             inv = 1.0 / torch.stack(candidates[i])
-            groups[i] = _input_groups(tuple(readers[i]), ctx.adapter.is_rank_local)
             for group in groups[i]:
                 if group[0] in token_ranges:
                     raise ValueError(f"unit {ctx.unit.name}: {group[0]} reads two smoothing subgraphs")

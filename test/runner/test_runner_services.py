@@ -343,15 +343,18 @@ class OneUnitAdapter(ModelAdapter):
 
 
 class CappedRanges(Processor):
-    """Asks the token ranges of `a` on the first `tokens` calibration tokens, after an uncapped absmax pass."""
+    """Asks the token ranges of `a` on the first `tokens` calibration tokens, after an uncapped absmax pass (`keep`:
+    which asks for the inputs of that sample to be kept; `hessian`: the capped request asks for a's Hessian too)."""
 
-    def __init__(self, tokens: int | None) -> None:
-        self.tokens, self.forwards, self.stats = tokens, [], None
+    def __init__(self, tokens: int | None, keep: bool = False, hessian: bool = False) -> None:
+        self.tokens, self.keep, self.hessian, self.forwards, self.stats = tokens, keep, hessian, [], None
 
     def process_unit(self, ctx: UnitContext) -> Any:
-        ranges = (yield Observe(absmax=("a",))).absmax
+        sample = ("a",) if self.keep else ()
+        ranges = (yield Observe(absmax=("a",), sample=sample, sample_tokens=self.tokens)).absmax
         before = ctx.adapter.forwards
-        self.stats = yield Observe(token_ranges={"a": INV}, ranges=ranges, tokens=self.tokens)
+        self.stats = yield Observe(token_ranges={"a": INV}, ranges=ranges, tokens=self.tokens,
+                                   hessian=("a",) if self.hessian else ())
         self.forwards = ctx.adapter.forwards - before
 
 
@@ -381,6 +384,31 @@ def test_a_capped_pass_observes_only_the_first_samples_of_the_dealing_order():
     assert found[580].forwards == 2 and found[None].forwards == 7
     assert found[580].stats.range_tokens["a"] == 590 and found[None].stats.range_tokens["a"] == 896
     assert torch.equal(found[580].stats.token_ranges["a"], reference.token_ranges["a"])
+
+
+def test_a_capped_observe_of_a_kept_sample_runs_no_pass_and_gives_the_capped_pass_statistics():
+    """The smoothing search's one-pass form: the first pass keeps the inputs of the samples of the first 1500 tokens
+    (the dealing order's 1300 and 290: `Observe.sample`), and the capped request is answered from them. Reference:
+    the same request answered by a capped pass (as before issue 50). Tolerance: none (token ranges, their token count and the Hessian's bytes)."""
+    from msmodelslim.pipeline.assembly import place_tokens, split_samples
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
+
+    g = torch.Generator().manual_seed(4)
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long),
+                "x": torch.randn(n, 12, generator=g).to(torch.bfloat16).float()} for n in (5, 1300, 7, 280, 6, 290)]
+    found = {}
+    for keep in (False, True):
+        adapter, probe = OneUnitAdapter(), CappedRanges(1500, keep=keep, hessian=True)
+        runner = LayerWiseRunner(adapter, [probe], schedule=Schedule(place_tokens=place_tokens(samples)),
+                                 background=False)
+        runner.run(split_samples(samples, 0, 1))
+        found[keep] = probe, runner.stats.passes[UNIT.name]
+    (kept, kept_passes), (capped, capped_passes) = found[True], found[False]
+    assert kept.forwards == 0 and capped.forwards == 2
+    assert kept_passes == capped_passes - 1
+    assert kept.stats.range_tokens == capped.stats.range_tokens == {"a": 1590}
+    assert torch.equal(kept.stats.token_ranges["a"], capped.stats.token_ranges["a"])
+    assert torch.equal(kept.stats.hessian["a"], capped.stats.hessian["a"]) and kept.stats.tokens == {"a": 1590}
 
 
 def test_the_resumable_state_written_in_line_has_the_bytes_of_the_background_write(tmp_path):
