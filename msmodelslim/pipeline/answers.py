@@ -115,28 +115,34 @@ def run_processor(processor: Any, ctx: UnitContext,
 def gatherable(ctx: UnitContext, asking: Any, following: Sequence[Any]) -> tuple[str, ...]:
     """The Hessians the processors after `asking` will ask for that a pass of `asking` can gather, in order, each
     once: those every processor from `asking` up to the one asking leaves as they are, or changes in a way the
-    runner carries them through (`Changes`)."""
+    runner carries them through (`Changes`), or in a way the one asking accepts (`Processor.true_sequential`)."""
     names: dict[str, None] = {}
     for i, later in enumerate(following):
         wanted = later.hessians(ctx)
         if wanted:
-            names.update(dict.fromkeys(_surviving(ctx, wanted, (asking, *following[:i]))))
+            names.update(dict.fromkeys(_surviving(ctx, wanted, (asking, *following[:i]), later.true_sequential)))
     return tuple(names)
 
 
-def _surviving(ctx: UnitContext, names: Sequence[str], between: Sequence[Any]) -> list[str]:
+def _surviving(ctx: UnitContext, names: Sequence[str], between: Sequence[Any], sequential: bool) -> list[str]:
     """`names` whose Hessians gathered before `between` still hold after it: through a processor that rescales
-    inputs by a diagonal every one (the runner rescales them, `Rescaled`); through one that changes routed experts'
-    weights only, those of the linears that do not read the experts' outputs (`adapter.reads_routed_experts`:
-    attention, shared experts, the latent down-projection); through any other, none. So on Kimi-Linear
-    iter_smooth's first pass gathers both linear_quant entries' Hessians and neither needs a pass of its own;
-    Kimi-K3's latent up-projection still does."""
+    inputs by a diagonal every one (the runner rescales them, `Rescaled`); through one that changes weights of named
+    linears, the others, where the asker is not true-sequential; where it is, only through one that changes
+    routed experts' weights, and only those that do not read the experts' outputs (`adapter.reads_routed_experts`:
+    attention, shared experts, the latent down-projection); through any other, none. So iter_smooth's first pass
+    gathers every linear_quant entry's Hessians, and true-sequential Kimi-K3's latent up-projection needs a pass of
+    its own."""
     names = list(names)
     for processor in between:
         changes = processor.changes(ctx)
         if changes.inputs_rescaled:
             continue
-        if changes.weights is None or not all(ctx.adapter.is_rank_local(n) for n in changes.weights):
+        if changes.weights is None:
+            return []
+        if not sequential:
+            names = [n for n in names if n not in changes.weights]
+            continue
+        if not all(ctx.adapter.is_rank_local(n) for n in changes.weights):
             return []
         if changes.weights:
             names = [n for n in names if n not in changes.weights and not ctx.adapter.reads_routed_experts(n)]

@@ -117,6 +117,14 @@ class Processor(ABC):
         anything, so nothing gathered before it is carried past it)."""
         return Changes()
 
+    @property
+    def true_sequential(self) -> bool:
+        """Whether the Hessians this processor asks for must see the outputs of the linears an earlier processor of
+        the unit quantized (GPTQModel's and AutoGPTQ's `true_sequential`). False: the unit's inputs before that
+        quantization will do (as llm-compressor's sequential pipeline calibrates a whole subgraph in one pass), so
+        an earlier pass may gather them (pipeline/answers.py)."""
+        return True
+
     def describe(self) -> dict[str, Any]:
         """Metadata for quant_model_description.json (e.g. the QuaRot seed)."""
         return {}

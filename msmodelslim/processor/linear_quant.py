@@ -153,6 +153,10 @@ class LinearQuantConfig(ProcessorConfig):
     qconfig: QConfig = field(default_factory=QConfig)
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=list)
+    # GPTQ: take each Hessian from the unit with the earlier entries' linears quantized (Kimi-K3's latent
+    # up-projection after its experts: a pass of its own); false: from before them, in the unit's first pass
+    # (docs/dev/architecture.md: what it costs)
+    true_sequential: bool = False
 
     def validate(self) -> None:
         try:
@@ -242,6 +246,10 @@ class LinearQuantProcessor(Processor):
 
     def changes(self, ctx: UnitContext) -> Changes:
         return Changes(weights=frozenset(self._selected(ctx)))
+
+    @property
+    def true_sequential(self) -> bool:
+        return self.config.true_sequential
 
     def process_unit(self, ctx: UnitContext) -> Any:
         cfg = self.config
