@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ def generated_checkpoint(preset: str, seed: int = 0) -> Path:
     """A stand-in Kimi-K3 checkpoint of `preset`, generated once and reused."""
     out = BENCH_OUT / f"Kimi-K3-{preset}-s{seed}"
     if not (out / "model.safetensors.index.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)  # what a generation that failed left behind
         subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", preset, "--out", str(out),
                         "--seed", str(seed)], check=True)
     return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +65,7 @@ def rank_layer_checkpoint() -> Path:
     """The `layer` preset as one rank of EP 8 holds it (112 experts, top-2), generated once into bench_out/."""
     model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
     if not (model / "model.safetensors.index.json").is_file():
+        shutil.rmtree(model, ignore_errors=True)  # what a generation that failed left behind
         subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model),
                         "--set", f"text_config.num_experts={EXPERTS_PER_RANK}",
                         "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}"], check=True)
