@@ -39,24 +39,28 @@ def msmodelslim(*args: str, env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=str(SHARED / "models" / "kimi-linear-mini"))
-    parser.add_argument("--model_type", default="Kimi-Linear")
-    which = parser.add_mutually_exclusive_group()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=str(SHARED / "models" / "kimi-linear-mini"))
+    p.add_argument("--model_type", default="Kimi-Linear")
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--recipe", default="full", help=f"a YAML in {RECIPES} (name without .yaml)")
     which.add_argument("--practice", help=f"a YAML in {PRACTICES} (name without .yaml)")
-    parser.add_argument("--dataset", default=str(SHARED / "data" / "text" / "python_tutorial.txt"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
-    args = parser.parse_args()
+    p.add_argument("--dataset", nargs="+", default=[str(SHARED / "data" / "text" / "python_tutorial.txt")],
+                   help="texts to evaluate on, each on its own (the first is the one the JSON's top level reports)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    return p
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """Quantize with the recipe or practice, then evaluate the output on each dataset; the JSON of `main`."""
     if args.practice:
         args.recipe = args.practice
     practice = (PRACTICES if args.practice else RECIPES) / f"{args.recipe}.yaml"
     if not practice.is_file():
-        parser.error(f"{args.recipe}: no {practice}")
+        raise SystemExit(f"{args.recipe}: no {practice}")
     out = BENCH_OUT / f"accuracy-{Path(args.model).name}-{args.recipe}"
     shutil.rmtree(out, ignore_errors=True)
     stats_file = BENCH_OUT / f"accuracy-{args.recipe}.stats"
@@ -66,24 +70,32 @@ def main() -> None:
                 env={"MSMODELSLIM_STATS_FILE": str(stats_file)})
     quant_s = time.perf_counter() - start
     stages = json.loads(Path(f"{stats_file}.rank0").read_text())  # seconds per runner stage and processor
-    start = time.perf_counter()
-    line = msmodelslim("eval", "--model_path", args.model, "--quant_path", str(out), "--dataset", args.dataset,
-                       "--device", args.device, "--seq-len", str(args.seq_len), "--max-windows", str(args.windows),
-                       "--model_type", args.model_type, "--trust_remote_code", "True", "--json")
-    result = json.loads(line.strip().splitlines()[-1])
-    print_result({
+    texts = {}
+    for dataset in args.dataset:
+        start = time.perf_counter()
+        line = msmodelslim("eval", "--model_path", args.model, "--quant_path", str(out), "--dataset", dataset,
+                           "--device", args.device, "--seq-len", str(args.seq_len), "--max-windows",
+                           str(args.windows), "--model_type", args.model_type, "--trust_remote_code", "True", "--json")
+        result = json.loads(line.strip().splitlines()[-1])
+        texts[Path(dataset).name] = {
+            "windows": result["windows"], "tokens": result["tokens"],
+            "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
+            "delta_pct": round(result["delta_pct"], 3),
+            # a standard error needs two windows (eval gives None for one)
+            **{key: None if result[src] is None else round(result[src], 5) for key, src in (
+                ("delta_pct_se", "ppl_delta_se"), ("kl", "kl"), ("kl_se", "kl_se"), ("top1", "top1"),
+                ("top1_se", "top1_se"))},
+            "eval_s": round(time.perf_counter() - start, 1)}
+    return {
         "bench": "accuracy", "model": Path(args.model).name, "recipe": args.recipe, "device": args.device,
-        "machine": machine(), "windows": result["windows"], "tokens": result["tokens"],
-        "ppl_bf16": round(result["ppl_orig"], 4), "ppl_quant": round(result["ppl_quant"], 4),
-        "delta_pct": round(result["delta_pct"], 3), "quant_s": round(quant_s, 1),
-        # a standard error needs two windows (eval gives None for one)
-        **{key: None if result[src] is None else round(result[src], 5) for key, src in (
-            ("delta_pct_se", "ppl_delta_se"), ("kl", "kl"), ("kl_se", "kl_se"), ("top1", "top1"),
-            ("top1_se", "top1_se"))},
+        "machine": machine(), **texts[Path(args.dataset[0]).name], "texts": texts, "quant_s": round(quant_s, 1),
         "process_s": {k.split(".", 1)[1]: round(v, 1) for k, v in sorted(stages.items()) if k.startswith("process.")},
-        "eval_s": round(time.perf_counter() - start, 1),
         "output_mib": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20, 2),
-    })
+    }
+
+
+def main() -> None:
+    print_result(measure(parser().parse_args()))
 
 
 if __name__ == "__main__":
