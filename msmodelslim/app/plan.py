@@ -175,7 +175,7 @@ def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, A
     top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok", None)
     if not widths or not experts or not top_k:
         return None
-    every_token = bool(getattr(adapter, "all_expert_statistics", False))  # spec.calibrate_all_experts
+    every_token = adapter.expert_statistics == "all_tokens"  # spec.calibrate_all_experts
     per_expert = tokens if every_token else tokens * top_k // experts
     width = max(widths)
     return {"tokens_per_expert_even_routing": per_expert, "widest_expert_input": width, "all_tokens": every_token,

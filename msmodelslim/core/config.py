@@ -449,6 +449,9 @@ class Spec(StrictConfig):
     # Every routed expert computes on every token in the statistics passes (its Hessian and ranges see all of its
     # rank's tokens, not the ~top-k / E the router sends it); the layer's output keeps the router's choice.
     calibrate_all_experts: bool = False
+    # MoEQuant's affinity-guided GPTQ: a routed expert's Hessian weighs each of its tokens by the router's weight
+    # for it (core/routing.py); its tokens are still the routed ones (not with calibrate_all_experts)
+    affinity_guided_experts: bool = False
     # The resumable state (pipeline/resume.py) is kept after every this many units and after the last: a resume
     # recomputes at most resume_every - 1 units, and a run writes the samples' state (Kimi-K3: 126 KiB per token
     # and rank) that many times less often.
@@ -461,6 +464,9 @@ class Spec(StrictConfig):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.calibrate_all_experts and self.affinity_guided_experts:
+            raise ValueError("affinity_guided_experts weighs the tokens the router sends an expert by its weights, "
+                             "which are 0 for the others calibrate_all_experts adds: choose one")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.routing import ExpertStatistics
 from msmodelslim.errors import UserError
 from msmodelslim.serving.fused import fused_groups
 from msmodelslim.serving.profiles import Profile, profile
@@ -125,11 +126,16 @@ class ModelAdapter(ABC):
         layouts = self.target.layouts_for(self.serving_model_type())
         return fused_groups([name for _, name in self.linear_names()], layouts, lookup_keys) if layouts else []
 
-    def calibrate_experts_on_all_tokens(self, on: bool) -> None:
-        """`spec.calibrate_all_experts`: in every statistics pass (`statistics_pass`) each routed expert computes on
-        every token of its rank, while the layer's output keeps the router's choice."""
-        if on:
-            raise UserError(f"spec.calibrate_all_experts: {type(self).__name__} has no routed experts to calibrate")
+    expert_statistics: ExpertStatistics = "routed"  # as `calibrate_experts` set it
+
+    def calibrate_experts(self, how: ExpertStatistics) -> None:
+        """How routed experts are calibrated in every statistics pass (`statistics_pass`): "routed" on the tokens
+        the router sends them; "all_tokens" (`spec.calibrate_all_experts`) each on every token of its rank, while
+        the layer's output keeps the router's choice; "affinity" (`spec.affinity_guided_experts`) on their routed
+        tokens, each weighed by the router's weight in their Hessians (core/routing.py)."""
+        if how != "routed":
+            key = "calibrate_all_experts" if how == "all_tokens" else "affinity_guided_experts"
+            raise UserError(f"spec.{key}: {type(self).__name__} has no routed experts to calibrate")
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around each calibration pass that gathers statistics (not the forward that makes the next unit's

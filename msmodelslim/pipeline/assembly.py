@@ -38,7 +38,8 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     `--plan` both go through this). `world`: the ranks the samples are dealt to (default the adapter's)."""
 
     adapter.serve_on(profile(spec.target, "spec.target"))
-    adapter.calibrate_experts_on_all_tokens(spec.calibrate_all_experts)
+    adapter.calibrate_experts("all_tokens" if spec.calibrate_all_experts else
+                              "affinity" if spec.affinity_guided_experts else "routed")
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)

@@ -103,18 +103,20 @@ class QuantReport:
             part.unlink()
         report = {"version": REPORT_VERSION, "source": self.source,
                   "expert_coverage": expert_coverage({n: e for n, e in entries.items()
-                                                      if self.adapter.is_rank_local(n)}),
+                                                      if self.adapter.is_rank_local(n)},
+                                                     self.adapter.expert_statistics),
                   "linears": {name: entries[name] for name in sorted(entries)}}
         (self.work_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         log_worst(report["linears"])
         return report
 
 
-def expert_coverage(experts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+def expert_coverage(experts: dict[str, dict[str, Any]], calibration: str = "routed") -> dict[str, Any] | None:
     """How many calibration tokens the routed experts' linears saw (min / median / max; their Hessians' counts where
     GPTQ had one, every calibration token, else the report's own), and those that saw fewer than their inputs: their
     Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means min/max rounding for a
-    weight no token tested). Logged as a warning naming them; None without experts."""
+    weight no token tested). Logged as a warning naming them; None without experts. `calibration`: how the experts'
+    statistics were taken (`ModelAdapter.calibrate_experts`: "routed", "all_tokens" or "affinity"), said in it."""
     if not experts:
         return None
     seen = {n: e["tokens"] if e.get("hessian_tokens") is None else e["hessian_tokens"] for n, e in experts.items()}
@@ -125,7 +127,7 @@ def expert_coverage(experts: dict[str, dict[str, Any]]) -> dict[str, Any] | None
         logger.warning("quant report: %d of %d routed-expert linears saw fewer calibration tokens than their inputs "
                        "(%d saw none): %s%s; more calibration data covers them", len(short), len(experts),
                        len(unseen), ", ".join(short[:8]), f" and {len(short) - 8} more" if len(short) > 8 else "")
-    return {"linears": len(experts), "tokens_min": counts[0], "tokens_median": counts[len(counts) // 2],
+    return {"calibration": calibration, "linears": len(experts), "tokens_min": counts[0], "tokens_median": counts[len(counts) // 2],
             "tokens_max": counts[-1], "below_inputs": short, "no_token": unseen}
 
 

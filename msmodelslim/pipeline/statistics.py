@@ -25,6 +25,7 @@ from torch import nn
 from msmodelslim.core.device import cpu_bf16_products, tensor_core_fp32_matmuls
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
+from msmodelslim.core.routing import row_weights
 from msmodelslim.errors import UserError
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
@@ -111,7 +112,12 @@ class Hessian(Statistic):
     token than exact integer sums of 8-bit digits at a full-size width (bench/hessian_arith.py).
 
     Readers of one input (an expert's w1 and w3; q, k and v) keep one Hessian: the same tensor object under each
-    name. A reader is linked to the one before it when both saw the same tensor at every call."""
+    name. A reader is linked to the one before it when both saw the same tensor at every call.
+
+    Rows that come with router weights (`core.routing.row_weights`: a routed expert under
+    `spec.affinity_guided_experts`) are summed as sqrt(w) x, and the sum is scaled by tokens / sum(w) at the end:
+    sum_t w_t x_t x_t^T on the scale of an unweighted Hessian of as many tokens (GPTQ's damping is relative, and
+    the smoothing search weighs it against the activation noise of that many tokens)."""
 
     field = "hessian"
 
@@ -122,6 +128,7 @@ class Hessian(Statistic):
         self.pending_rows: dict[str, int] = {}
         self.tokens: dict[str, int] = {}  # leader -> rows recorded on this rank
         self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
+        self.weights: dict[str, torch.Tensor] = {}  # leader -> sum of its rows' router weights (weighted rows only)
         self._last: tuple[str, torch.Tensor] | None = None  # (leader, input) of the last call
 
     def record(self, name: str, x: torch.Tensor) -> None:
@@ -137,6 +144,15 @@ class Hessian(Statistic):
             self.leader[name] = last[0]
             return
         self.leader[name] = name
+        source = x  # what a reader after this one is compared with
+        weights = row_weights()
+        if weights is not None:  # float32 rows sqrt(w) x: x W^T's rows are exact in it, the weights are not
+            if weights.shape[0] != x.shape[0]:
+                raise RuntimeError(f"{name}: {x.shape[0]} rows came with {weights.shape[0]} router weights")
+            weights = weights.to(x.device, torch.float32)
+            total = self.weights.get(name)
+            self.weights[name] = weights.sum() if total is None else total + weights.sum()
+            x = x.float() * weights.clamp(min=0).sqrt()[:, None]
         self.pending.setdefault(name, []).append(x)
         self.pending_rows[name] = self.pending_rows.get(name, 0) + x.shape[0]
         self.tokens[name] = self.tokens.get(name, 0) + x.shape[0]
@@ -147,7 +163,7 @@ class Hessian(Statistic):
             # and a rarely routed expert holds rows from many micro-batches, so its views kept every one of those
             # buffers alive (a device peak growing with the tokens: 47.7 GiB at 1M tokens against 26 at 256k)
             self.pending[name][-1] = x.clone()
-        self._last = (name, x)  # holding x keeps its address unique while it is compared
+        self._last = (name, source)  # holding it keeps its address unique while it is compared
 
     def _flush(self, name: str, final: bool = False) -> None:
         """Add the rows held for `name` to its sums, in chunks of exactly HESSIAN_CHUNK_TOKENS rows (the last one
@@ -207,6 +223,9 @@ class Hessian(Statistic):
                 d = width(modules[name])
                 self.sums[name] = torch.zeros(d, d, dtype=torch.float32, device=self.device)
                 self.tokens[name] = 0
+        for name, total in self.weights.items():  # affinity-weighted: back on the scale of its token count
+            if self.tokens.get(name):
+                self.sums[name].mul_(self.tokens[name] / total.clamp(min=torch.finfo(torch.float32).tiny))
         leaders = sorted(self.sums)
         shared = [n for n in leaders if replicated(n)]
         counts = {n: torch.tensor([self.tokens[n]], dtype=torch.int64, device=self.device) for n in shared}

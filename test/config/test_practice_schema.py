@@ -168,6 +168,8 @@ def _bad(tmp_path: Path, old: str, new: str) -> str:
          "metadata: verified_model_types or verified_tags must name at least one model type"),
         ("  max_samples: 8", "  max_samples: 0", "spec: max_samples must be positive, got 0"),
         ("  max_samples: 8", "  max_samples: eight", "spec.max_samples: expected an integer, got str 'eight'"),
+        ("  max_samples: 8", "  max_samples: 8\n  calibrate_all_experts: true\n  affinity_guided_experts: true",
+         "spec: affinity_guided_experts weighs the tokens the router sends an expert by its weights"),
         ("  dataset: calibImages\n", "", "spec.dataset: required key is missing"),
         ('  default_text: "Describe this image."\n', "",
          "spec.default_text: required (non-empty) for apiversion multimodal_vlm_modelslim_v1"),

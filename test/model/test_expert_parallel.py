@@ -234,3 +234,50 @@ def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
     x, idx, w = _routing()
     with torch.no_grad():
         assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
+
+
+def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
+    """`experts_weigh_rows` (spec.affinity_guided_experts): an expert's Hessian is sum_t w_t x_t x_t^T over its routed
+    rows, scaled to their count, its w1 and w3 share it, and the block's output is unchanged (bit for bit: the
+    dispatch runs expert by expert, which the grouped one equals). Reference: float64 sums from the routing table;
+    tolerance 1e-5 relative (float32 sums of rows scaled by sqrt(w) in float32)."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.core.requests import Observe
+    from msmodelslim.model.base import Unit
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer, experts_weigh_rows
+    from msmodelslim.pipeline.answers import observe
+    from msmodelslim.processor.base import UnitContext
+
+    experts = _expert_block("float")
+    x, idx, w = _routing()
+    plain = ep_moe_infer(experts, x, idx, w, SINGLE)
+
+    class Adapter:
+        def is_rank_local(self, name: str) -> bool:
+            return True
+
+        def statistics_pass(self):
+            return experts_weigh_rows(block)
+
+    block = torch.nn.Module()
+    block.experts = experts
+    block._msmodelslim_ep = type("EP", (), {"affinity": False})()  # what apply_ep_patches attaches
+    outputs = []
+    ctx = UnitContext(Unit("layers.0", "decoder", "", 0), experts, Adapter(), SINGLE,
+                      run_samples=lambda: outputs.append(ep_moe_infer(experts, x, idx, w, SINGLE,
+                                                                      affinity=block._msmodelslim_ep.affinity)))
+    names = [f"{key}.{p}" for key in experts for p in ("w1", "w3")]
+    stats = observe(ctx, Observe(hessian=tuple(names)))
+    assert torch.equal(outputs[0], plain)
+    for key in experts:
+        rows, cols = torch.nonzero(idx == int(key), as_tuple=True)
+        h = stats.hessian[f"{key}.w1"]
+        assert stats.tokens[f"{key}.w1"] == rows.numel()
+        if not rows.numel():  # expert 5: zeros of its own for each reader
+            assert not h.any()
+            continue
+        assert stats.hessian[f"{key}.w3"] is h
+        weights = w[rows, cols].double()
+        xs = x[rows].double()
+        reference = rows.numel() * (xs.t() * weights) @ xs / weights.sum()
+        assert float((h.double() - reference).norm() / reference.norm()) < 1e-5

@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext
+from msmodelslim.core.routing import ExpertStatistics
 from msmodelslim.errors import UserError, shown
 from msmodelslim.model.base import Unit
 from msmodelslim.model.common.hf_adapter import HFModelAdapter
@@ -123,12 +124,12 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def is_multimodal(self) -> bool:
         return self.layout.is_multimodal
 
-    def calibrate_experts_on_all_tokens(self, on: bool) -> None:
-        self.layout.all_expert_statistics = on
+    def calibrate_experts(self, how: ExpertStatistics) -> None:
+        self.layout.expert_statistics = how
 
     @property
-    def all_expert_statistics(self) -> bool:
-        return self.layout.all_expert_statistics
+    def expert_statistics(self) -> ExpertStatistics:
+        return self.layout.expert_statistics
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
         return self.layout.statistics_pass()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from msmodelslim.core.dist import SINGLE, DistContext, token_source
+from msmodelslim.core.routing import routed_rows
 from msmodelslim.model.common.utils import resolve_expert_ep_range
 from msmodelslim.model.kimi_k3.experts import KimiExpertMLP
 from msmodelslim.quant.modules import linears_over_row_groups
@@ -38,6 +39,7 @@ class _BlockEP:
     expert_width: int  # input width of a routed expert (latent size for a latent MoE)
     top_k: int
     all_tokens: bool = False  # every local expert computes on every token (`all_experts_compute`)
+    affinity: bool = False  # each expert's rows carry their router weights (`experts_weigh_rows`)
 
 
 def is_native_moe(block: nn.Module) -> bool:
@@ -50,10 +52,11 @@ def is_moe_block(module: nn.Module) -> bool:
 
 
 def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-                 dist: DistContext, all_tokens: bool = False) -> torch.Tensor:
+                 dist: DistContext, all_tokens: bool = False, affinity: bool = False) -> torch.Tensor:
     """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index.
     `all_tokens`: each expert computes on every token (its observers see them all), and only the rows the router
-    chose enter the output."""
+    chose enter the output. `affinity`: each expert is called on its rows with their router weights said
+    (`core.routing.routed_rows`: affinity-guided Hessians), expert by expert."""
     k = topk_idx.shape[-1]
     width = x.shape[-1]
     if dist.is_distributed:
@@ -75,7 +78,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         with token_source(source if dist.is_distributed else dist.rank):
             spans = [(expert, starts[e], starts[e + 1]) for key, expert in experts.items()
                      if (e := int(key) + 1) < len(counts) and counts[e]]
-            if not all_tokens and spans and _groupable(experts, spans):
+            if not all_tokens and not affinity and spans and _groupable(experts, spans):
                 first, end = spans[0][1], spans[-1][2]
                 sel = order[first:end]
                 rows, cols = sel // k, sel % k
@@ -90,7 +93,13 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
                     if routed:
                         sel = order[starts[e]:starts[e + 1]]
                         rows, cols = sel // k, sel % k
-                        out[rows, cols] = (y[rows] if all_tokens else expert(xs[rows])).float() * w[rows, cols, None]
+                        weights = w[rows, cols]
+                        if all_tokens:
+                            y_rows = y[rows]
+                        else:
+                            with routed_rows(weights) if affinity else contextlib.nullcontext():
+                                y_rows = expert(xs[rows])
+                        out[rows, cols] = y_rows.float() * weights[:, None]
         slots.append(out)
     own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
@@ -128,7 +137,7 @@ def _grouped_experts(spans: list[tuple[nn.Module, int, int]], x: torch.Tensor, o
 def _standin_moe_infer(self: nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weight: torch.Tensor) -> torch.Tensor:
     ep: _BlockEP = getattr(self, _EP_ATTR)
-    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, ep.dist, ep.all_tokens)
+    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity)
 
 
 def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -136,7 +145,7 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
     _, topk_weight, topk_idx = self.gate(hidden_states)
     flat = hidden_states.reshape(-1, shape[-1])
     ep: _BlockEP = getattr(self, _EP_ATTR)
-    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, ep.dist, ep.all_tokens)
+    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity)
     return routed.view(shape) + self.shared_experts(hidden_states)
 
 
@@ -160,6 +169,20 @@ def ep_idle(block: nn.Module) -> None:
     x = torch.empty((0, ep.expert_width), device=device, dtype=dtype)
     idx = torch.empty((0, ep.top_k), device=device, dtype=torch.long)
     ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist)
+
+
+@contextlib.contextmanager
+def experts_weigh_rows(model: nn.Module) -> Iterator[None]:
+    """Within: every EP block's experts are called with their rows' router weights said (MoEQuant's
+    affinity-guided Hessians, `spec.affinity_guided_experts`), while each block's output is as ever."""
+    blocks = [getattr(m, _EP_ATTR) for m in model.modules() if hasattr(m, _EP_ATTR)]
+    for ep in blocks:
+        ep.affinity = True
+    try:
+        yield
+    finally:
+        for ep in blocks:
+            ep.affinity = False
 
 
 @contextlib.contextmanager

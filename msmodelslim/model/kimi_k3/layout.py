@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.routing import ExpertStatistics
 from msmodelslim.model.base import Unit
 from msmodelslim.model.kimi_k3 import ep_patches, fa3
 
@@ -51,7 +52,7 @@ class KimiLayout:
         self.dtype = dtype or model.dtype
         self.text_config = model.config.get_text_config()
         self.is_multimodal = hasattr(model, "vision_tower")
-        self.all_expert_statistics = False  # spec.calibrate_all_experts (statistics_pass)
+        self.expert_statistics: ExpertStatistics = "routed"  # spec.calibrate_all_experts / affinity_guided_experts
         self.is_native = type(model).__module__.startswith("transformers.models.")
         self.language_model = model.language_model if self.is_multimodal else model
         self.lm_prefix = "language_model." if self.is_multimodal else ""
@@ -151,9 +152,13 @@ class KimiLayout:
                 f"not match the weights)")
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
-        """Around each statistics pass: with `all_expert_statistics` (spec.calibrate_all_experts) every local routed
+        """Around each statistics pass: with "all_tokens" (spec.calibrate_all_experts) every local routed
         expert computes on every token (ep_patches.all_experts_compute)."""
-        return ep_patches.all_experts_compute(self.model) if self.all_expert_statistics else contextlib.nullcontext()
+        if self.expert_statistics == "all_tokens":
+            return ep_patches.all_experts_compute(self.model)
+        if self.expert_statistics == "affinity":  # spec.affinity_guided_experts: rows weighed by the router
+            return ep_patches.experts_weigh_rows(self.model)
+        return contextlib.nullcontext()
 
     def is_rank_local(self, name: str) -> bool:
         """A routed expert's module (live or checkpoint name): held by one expert-parallel rank."""
