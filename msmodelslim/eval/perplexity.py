@@ -20,6 +20,7 @@ ppl_quant / ppl_orig = exp(mean loss difference)).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -197,8 +198,10 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             if unit_reader is not None:
                 simulated.update(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
                 attentions.update(install_attention_quantizers(adapter, unit, module, unit_reader))
-            if unit.kind == "head":  # the variants side by side, a window at a time (module docstring)
-                modules[variant] = module
+            if unit.kind == "head":  # the variants side by side, a window at a time (module docstring); an
+                # adapter's loads of one unit fill one skeleton module, so the next load would overwrite this one's
+                # weights (the original's head computed with the output's rotated lm_head): it is held as a copy
+                modules[variant] = copy.deepcopy(module) if variant != list(variants)[-1] else module
                 continue
             states[variant] = _run(adapter, unit, module, states[variant])
             adapter.free_unit(unit, module)

@@ -174,6 +174,44 @@ def test_layerwise_ppl_equals_whole_model_references(tmp_path, text_file, online
     assert abs(result["delta_pct"]) < 10  # W4A8/W8A8 on a random toy: small but nonzero damage
 
 
+class SkeletonToyLM(ToyLM):
+    """The toy as the real adapters load units: every load of a unit fills one module object (the skeleton's) with
+    the reader's tensors."""
+
+    def __init__(self, model_path) -> None:
+        super().__init__(model_path)
+        self.skeleton = {}
+
+    def load_unit(self, unit, device, reader=None):
+        loaded = super().load_unit(unit, device, reader)
+        module = self.skeleton.setdefault(unit.name, loaded)
+        module.load_state_dict(loaded.state_dict(), strict=True, assign=True)  # a freed one is on meta
+        return module
+
+
+def test_the_original_head_is_the_source_one_when_the_output_head_differs(tmp_path, text_file, monkeypatch):
+    """The head runs original and quantized side by side: with an adapter whose loads of a unit share one module
+    (hf_checkpoint's skeleton) and an output whose lm_head differs from the source's (as a rotated residual makes
+    it), ppl_orig is still the float model's. Reference: the source model run whole; tolerance 1e-5 relative (a
+    shared module gave the output's head to the original: 24k against 55 on kimi-linear-mini)."""
+    src = _make_source(tmp_path / "src")
+    _quantize_and_save(src, tmp_path / "out", online=False)
+    get = AscendV1Reader.get
+
+    def other_head(self, name, *args, **kwargs):
+        tensor = get(self, name, *args, **kwargs)
+        return tensor.flip(0) if name == "model.head.lm_head.weight" else tensor
+
+    monkeypatch.setattr(AscendV1Reader, "get", other_head)
+    adapter = SkeletonToyLM(src)
+    windows = make_windows(adapter.tokenizer(text_file.read_text(), add_special_tokens=False)["input_ids"], 64, 5)
+    reference = _direct_ppl(adapter, {u.name: ToyLM.load_unit(adapter, u, torch.device("cpu"))
+                                      for u in adapter.units()}, windows)
+    result = evaluate(src, tmp_path / "out", text_file, "cpu", seq_len=64, max_windows=5, adapter=adapter)
+    assert result["ppl_orig"] == pytest.approx(reference, rel=1e-5)
+    assert result["ppl_quant"] != pytest.approx(reference, rel=1e-2)  # the output's flipped head reached its side
+
+
 def test_wrap_uses_stored_integers_and_rotation(tmp_path):
     src = _make_source(tmp_path / "src")
     adapter, quant_modules = _quantize_and_save(src, tmp_path / "out", online=True)
