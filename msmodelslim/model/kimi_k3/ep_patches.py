@@ -171,33 +171,30 @@ def ep_idle(block: nn.Module) -> None:
     ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist)
 
 
-@contextlib.contextmanager
-def experts_weigh_rows(model: nn.Module) -> Iterator[None]:
+def experts_weigh_rows(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Within: every EP block's experts are called with their rows' router weights said (MoEQuant's
     affinity-guided Hessians, `spec.affinity_guided_experts`), while each block's output is as ever."""
-    blocks = [getattr(m, _EP_ATTR) for m in model.modules() if hasattr(m, _EP_ATTR)]
-    for ep in blocks:
-        ep.affinity = True
-    try:
-        yield
-    finally:
-        for ep in blocks:
-            ep.affinity = False
+    return _every_block(model, "affinity")
 
 
-@contextlib.contextmanager
-def all_experts_compute(model: nn.Module) -> Iterator[None]:
+def all_experts_compute(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Within: every local expert of every EP block of `model` computes on every token (llm-compressor's
     "calibrate all experts": an expert's statistics see all of its rank's tokens, not the ~top-k / E the router
     sends it), while each block's output keeps the router's choice."""
+    return _every_block(model, "all_tokens")
+
+
+@contextlib.contextmanager
+def _every_block(model: nn.Module, switch: str) -> Iterator[None]:
+    """Within: the `_BlockEP` switch on for every EP block of `model`."""
     blocks = [getattr(m, _EP_ATTR) for m in model.modules() if hasattr(m, _EP_ATTR)]
     for ep in blocks:
-        ep.all_tokens = True
+        setattr(ep, switch, True)
     try:
         yield
     finally:
         for ep in blocks:
-            ep.all_tokens = False
+            setattr(ep, switch, False)
 
 
 @dataclass
