@@ -19,6 +19,7 @@ from torch import nn
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stats
+from msmodelslim.core.routing import routed_rows, row_weights
 from msmodelslim.pipeline.statistics import Statistic, kinds_for
 from msmodelslim.processor.base import UnitContext
 
@@ -34,14 +35,15 @@ class Sample:
     def __init__(self, names: Sequence[str], tokens: int | None) -> None:
         self.names = frozenset(names)
         self.tokens = tokens
-        self.calls: list[tuple[str, torch.Tensor]] = []
+        # (module, its input, the router weights of its rows: core/routing.py) per call
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (the input as the pass met it, its copy)
 
     def record(self, name: str, x: torch.Tensor) -> None:
         last = self._last
         if last is None or not _same_input(last[0], x):
             last = self._last = (x, x.clone())  # holding x keeps its address its own while it is compared
-        self.calls.append((name, last[1]))
+        self.calls.append((name, last[1], row_weights()))
 
     def serves(self, request: Observe) -> bool:
         return request.tokens == self.tokens and request.modules() <= self.names
@@ -208,10 +210,11 @@ def replayed(ctx: UnitContext, request: Observe, sample: Sample) -> Stats:
     in the same order reach the same kinds, so the same statistics, and no forward runs."""
     kinds = _kinds(ctx, request)
     with torch.no_grad():
-        for name, x in sample.calls:
+        for name, x, weights in sample.calls:
             watching = [k for k in kinds if name in k.names]
             if watching:
-                _record(watching, name, x)
+                with routed_rows(weights) if weights is not None else contextlib.nullcontext():
+                    _record(watching, name, x)
     return _finished(ctx, kinds, dict(ctx.module.named_modules()))
 
 
