@@ -373,12 +373,13 @@ class RoutedAdapter(ToyAdapter):
         return live_name.endswith("routed_expert_up_proj")
 
 
-@pytest.mark.parametrize("latent", [False, True])
-def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(latent):
-    """Two GPTQ entries, routed experts then the rest: the experts' pass also gathers the later entry's Hessians of
-    the linears that do not read the experts' outputs, so that entry needs no pass of its own, or one for the
-    latent up-projection alone. Reference: the entries run with a pass each; tolerance: none (the gathered inputs
-    are the same tensors either way)."""
+@pytest.mark.parametrize("latent,true_sequential", [(False, False), (True, True), (True, False)])
+def test_the_experts_pass_gathers_the_hessians_of_the_later_entry(latent, true_sequential):
+    """Two GPTQ entries, routed experts then the rest: the experts' pass also gathers the later entry's Hessians, so
+    that entry needs no pass of its own; with `true_sequential`, only those of the linears that do not read the
+    experts' outputs, and the latent up-projection takes a pass of its own after the experts are quantized.
+    Reference: the entries run with a pass each; tolerance: none (the gathered inputs are the same tensors),
+    but for the up-projection gathered before the experts' quantization (not true-sequential): other bytes."""
     W8A8_GPTQ = {**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}}
 
     def run(gather: bool) -> tuple[int, dict]:
@@ -399,7 +400,8 @@ def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(l
         ctx = UnitContext(unit=unit, module=layer, adapter=RoutedAdapter(), dist=SINGLE, run_samples=samples)
         experts = LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
                                                                exclude=["*shared_experts*"]))
-        rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8_GPTQ, include=["*"]))
+        rest = LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8_GPTQ, include=["*"],
+                                                            true_sequential=true_sequential))
         carried = Carried()
         run_processor(experts, ctx, following=[rest] if gather else (), carried=carried)
         run_processor(rest, ctx, carried=carried)
@@ -409,7 +411,8 @@ def test_the_experts_pass_gathers_the_hessians_their_quantization_leaves_alone(l
 
     gathered_passes, gathered = run(gather=True)
     separate_passes, separate = run(gather=False)
-    assert (gathered_passes, separate_passes) == ((2, 2) if latent else (1, 2))
+    assert (gathered_passes, separate_passes) == ((2, 2) if true_sequential else (1, 2))
     assert gathered.keys() == separate.keys() and len(gathered) == 10 + latent
     for name, (q, scale) in separate.items():
-        assert torch.equal(gathered[name][0], q) and torch.equal(gathered[name][1], scale), name
+        same = torch.equal(gathered[name][0], q) and torch.equal(gathered[name][1], scale)
+        assert same != (name == "block_sparse_moe.routed_expert_up_proj" and not true_sequential), name
