@@ -53,12 +53,16 @@ def significant(a: dict, b: dict, key: str = "kl") -> bool | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default=None, help="comma-separated YAML names of ROWS to run (default: all)")
+    p.add_argument("--rows", default=None, help="comma-separated YAML names of ROWS to run, in that order (default: all)")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--held-out", default=str(HELD_OUT))
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    rows = {label: spec for label, spec in ROWS.items() if args.rows is None or spec[1] in args.rows.split(",")}
+    by_name = {spec[1]: label for label, spec in ROWS.items()}
+    unknown = [n for n in (args.rows or "").split(",") if n and n not in by_name]
+    if unknown:
+        p.error(f"--rows: {unknown[0]} is none of {', '.join(by_name)}")
+    rows = ROWS if args.rows is None else {by_name[n]: ROWS[by_name[n]] for n in args.rows.split(",")}  # its order
     texts = [str(PUBLIC), args.held_out]
     results: dict[str, dict] = {}
     for label, (kind, name) in rows.items():
