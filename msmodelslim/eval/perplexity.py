@@ -201,7 +201,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
             if unit.kind == "head":  # the variants side by side, a window at a time (module docstring); an
                 # adapter's loads of one unit fill one skeleton module, so the next load would overwrite this one's
                 # weights (the original's head computed with the output's rotated lm_head): it is held as a copy
-                modules[variant] = copy.deepcopy(module) if variant != list(variants)[-1] else module
+                modules[variant] = copy.deepcopy(module) if variant == "orig" else module  # quant loads last
                 continue
             states[variant] = _run(adapter, unit, module, states[variant])
             adapter.free_unit(unit, module)
