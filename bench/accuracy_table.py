@@ -37,6 +37,7 @@ ROWS = {
     "w4a8 per group (0.26)": ("practice", "kimi_linear_w4a8_pergroup"),
     "w4a8 calibrate_all_experts": ("recipe", "calibrate_all_experts"),
     "w4a8 affinity_guided_experts": ("recipe", "affinity_guided_experts"),
+    "w4a8 balanced_experts": ("recipe", "balanced_experts"),
     "w4a8 RTN": ("recipe", "rtn"),
     "w4a4": ("recipe", "w4a4"),
     "w4a4 RTN": ("recipe", "w4a4_rtn"),

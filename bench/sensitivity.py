@@ -98,7 +98,7 @@ class Measure(Processor):
 
 
 def aggressive_practice(dest: Path, bench_steps: bool, fallback: list[dict] | None = None,
-                        max_samples: int = 16) -> Path:
+                        max_samples: int = 16, impact_tokens: int | None = None) -> Path:
     """The shipped kimi_linear_w4a8 cut down to min/max W4A8_DYNAMIC on every linear it quantizes."""
     practice = yaml.safe_load((ROOT / "lab_practice" / "kimi_k3" / "kimi_linear_w4a8.yaml").read_text())
     quantizers = [s for s in practice["spec"]["process"] if s["type"] == "linear_quant"]
@@ -114,6 +114,7 @@ def aggressive_practice(dest: Path, bench_steps: bool, fallback: list[dict] | No
         ([{"type": "bench_measure"}] if bench_steps else [])
     practice["spec"]["process"] = process
     practice["spec"]["max_samples"] = max_samples
+    practice["spec"]["report_impact_tokens"] = impact_tokens
     practice["metadata"]["config_id"] = f"kimi_linear_w4a{ACT_DTYPE[-1]}_minmax_everywhere"
     practice["metadata"]["label"]["a_bit"] = int(ACT_DTYPE[-1])
     if fallback:
@@ -172,6 +173,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--skip-tune", action="store_true")
+    parser.add_argument("--skip-outlier", action="store_true")
+    parser.add_argument("--impact-tokens", type=int, default=8192, help="the base run's spec.report_impact_tokens")
     parser.add_argument("--tune-act", choices=["int4", "int8"], default="int8", help="tune starts from min/max W4A<bits>")
     parser.add_argument("--tune-step", type=float, default=40.0, help="tune's --step (percent of linears per round)")
     parser.add_argument("--act", choices=["int4", "int8"], default="int4", help="the aggressive practice's activations")
@@ -186,7 +189,8 @@ def main() -> None:
             return evaluate(MINI, out, TEXT, seq_len=512, max_windows=args.windows, model_type="Kimi-Linear")
 
         t0 = time.perf_counter()
-        base = run(work, "base", aggressive_practice(work / "base.yaml", bench_steps=True))
+        base = run(work, "base", aggressive_practice(work / "base.yaml", bench_steps=True,
+                                                     impact_tokens=args.impact_tokens))
         result["quant_seconds"] = round(time.perf_counter() - t0, 1)
         report = json.loads((base / REPORT_FILE).read_text())["linears"]
         names = sorted(n for n in report if n in MEASURED and report[n]["error"] is not None)
@@ -197,12 +201,14 @@ def main() -> None:
             [report[n]["error"] / measured[n] for n in names]).median()), 4)
         base_eval = ppl(base)
         result["ppl_float"], result["delta_pct_base"] = base_eval["ppl_orig"], base_eval["delta_pct"]
+        result["kl_base"], result["kl_se_base"] = base_eval["kl"], base_eval["kl_se"]
 
         # 10 % of the quantized linears may move, each with its fused serving group (processor/fallback.py)
         budget = max(1, round(0.1 * len(report)))
         groups = fused_groups()
         linears = sorted(report)
-        picks = {"report_top10": [{"to": "W8A8_DYNAMIC", "report": str(base / REPORT_FILE), "top_k": budget}]}
+        picks = {f"{metric}_top10": [{"to": "W8A8_DYNAMIC", "report": str(base / REPORT_FILE), "metric": metric,
+                                      "top_k": budget}] for metric in ("error", "impact")}
         for seed in range(RANDOM_SEEDS):
             order = random.Random(seed).sample(linears, len(linears))
             picks[f"random10_s{seed}"] = [{"to": "W8A8_DYNAMIC",
@@ -212,20 +218,26 @@ def main() -> None:
             out = run(work, label, aggressive_practice(work / f"{label}.yaml", bench_steps=False, fallback=fallback))
             moved = json.loads((out / REPORT_FILE).read_text())["linears"]
             result[f"moved_{label}"] = sum(e["scheme"] == "W8A8_DYNAMIC" for e in moved.values())
-            delta = ppl(out)["delta_pct"]
+            measured = ppl(out)
+            delta = measured["delta_pct"]
             result[f"delta_pct_{label}"] = round(delta, 3)
             result[f"recovered_{label}"] = round(1 - delta / base_eval["delta_pct"], 4)
+            result[f"kl_{label}"], result[f"kl_se_{label}"] = measured["kl"], measured["kl_se"]
+            result[f"kl_recovered_{label}"] = round(1 - measured["kl"] / base_eval["kl"], 4)
             shutil.rmtree(out)
-        randoms = [result[f"recovered_random10_s{seed}"] for seed in range(RANDOM_SEEDS)]
-        result["recovered_random10_mean"] = round(sum(randoms) / len(randoms), 4)
+        for kind in ("recovered", "kl_recovered"):
+            randoms = [result[f"{kind}_random10_s{seed}"] for seed in range(RANDOM_SEEDS)]
+            result[f"{kind}_random10_mean"] = round(sum(randoms) / len(randoms), 4)
+            result[f"{kind}_impact_beats_every_seed"] = result[f"{kind}_impact_top10"] > max(randoms)
 
-        planted = planted_outlier(work / "planted")
-        found = analyze(AnalyzeArgs(model_path=str(planted), model_type="Kimi-Linear", device="cpu",
-                                    config_path=str(aggressive_practice(work / "plain.yaml", bench_steps=False)),
-                                    top_k=5))
-        order = [n for n, _ in found.top]
-        result["outlier_rank"] = next((i + 1 for i, n in enumerate(order) if n == OUTLIER), None)
-        result["outlier_top5"] = order
+        if not args.skip_outlier:
+            planted = planted_outlier(work / "planted")
+            found = analyze(AnalyzeArgs(model_path=str(planted), model_type="Kimi-Linear", device="cpu",
+                                        config_path=str(aggressive_practice(work / "plain.yaml", bench_steps=False)),
+                                        top_k=5))
+            order = [n for n, _ in found.top]
+            result["outlier_rank"] = next((i + 1 for i, n in enumerate(order) if n == OUTLIER), None)
+            result["outlier_top5"] = order
 
         if not args.skip_tune:
             ACT_DTYPE = args.tune_act

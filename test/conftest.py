@@ -36,8 +36,8 @@ def tiny_k3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def mini_runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """kimi-linear-mini (the real trained model) quantized once per session with its shipped W4A8C8 practice cut to
-    4 records of <= 64 tokens in two micro-batches (the quant report and the smoothing search's token ranges
-    observe the first): `one` on one CPU process under the Ascend op check (`ascend_ops_checked` device ops),
+    4 records of <= 64 tokens in two micro-batches (the quant report, its impact probe and the smoothing search's
+    token ranges observe the first): `one` on one CPU process under the Ascend op check (`ascend_ops_checked` device ops),
     `two` on two (cpu:0,1). Shared by the end-to-end, data-parallel and resume tests. Read-only."""
     if not (MINI / "config.json").is_file():
         pytest.skip(f"{MINI} not available")
@@ -55,6 +55,7 @@ def mini_runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     spec = yaml.safe_load(practice.read_text())
     spec["spec"]["micro_batch_tokens"] = 128  # two micro-batches of two records: one per rank of `two`
     spec["spec"]["report_tokens"] = 128  # the quant report observes the first of them only
+    spec["spec"]["report_impact_tokens"] = 128  # and its impact probe forwards that one (pipeline/impact.py)
     smooth = next(step for step in spec["spec"]["process"] if step["type"] == "iter_smooth")
     smooth["search_tokens"] = 128  # and so do the smoothing search's token ranges
     practice.write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -5,6 +5,9 @@ in memory and never saved: what it keeps is the quant report (core/report.py, pi
 ranked by a metric (msModelSlim's names, or the report's own):
 
     mse       -> error              relative output MSE on the calibration tokens (weight + activation rounding)
+    impact                          the loss-aware score: the part of its unit output's relative error that
+                                    falling back the linear's serving group removes (pipeline/impact.py), measured
+                                    on the practice's spec.report_impact_tokens (default DEFAULT_IMPACT_TOKENS)
     kurtosis  -> act_kurtosis       of the input activations (msModelSlim reads these three off the inputs too)
     std       -> act_peak_ratio     max |x| / std of the input activations
     quantile  -> act_channel_ratio  max / median of the input channels' ranges (msModelSlim: int8 step / IQR)
@@ -35,6 +38,7 @@ import yaml
 
 from msmodelslim.app.practice import choose_practice
 from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
+from msmodelslim.core.config import DEFAULT_IMPACT_TOKENS
 from msmodelslim.core.report import ANALYZE_METRICS, DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 # Without a practice: the quant type whose practice quantizes every linear the serving engine can quantize, so that
 # every one of them is ranked.
 DEFAULT_QUANT_TYPE = "w8a8"
-ERROR_METRICS = ("error", "weight_error", "act_error")  # the report's fields that need a quant scheme
+ERROR_METRICS = ("error", "impact", "weight_error", "act_error")  # the report's fields that need a quant scheme
 
 
 @dataclass
@@ -119,6 +123,9 @@ def analyze(args: AnalyzeArgs) -> AnalyzeResult:
                                trust_remote_code=args.trust_remote_code, tags=args.tags,
                                calibration_dataset=args.calibration_dataset)
         plan = check_request(quant_args)
+        spec = plan.chosen.practice.spec
+        if metric == "impact" and spec.report_impact_tokens is None:
+            spec.report_impact_tokens = DEFAULT_IMPACT_TOKENS
         names = quantized_linears(plan, args.trust_remote_code)
         for glob in args.patterns:
             if not any(matching(name, [glob]) for name in names):

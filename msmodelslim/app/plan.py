@@ -179,6 +179,7 @@ def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, A
     per_expert = tokens if every_token else tokens * top_k // experts
     width = max(widths)
     return {"tokens_per_expert_even_routing": per_expert, "widest_expert_input": width, "all_tokens": every_token,
+            "balanced": adapter.expert_statistics == "balanced",  # spec.balanced_experts: at least that, each
             "tokens_for_full_rank": width if every_token else -(-width * experts // top_k),
             "full_rank": per_expert >= width}
 
@@ -236,7 +237,8 @@ def describe(plan: dict[str, Any]) -> str:
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")
     cov = cal.get("expert_coverage")
     if cov:
-        how = "every expert on every token" if cov["all_tokens"] else "even routing"
+        how = "every expert on every token" if cov["all_tokens"] else \
+            "balanced experts: at least even routing's, each" if cov["balanced"] else "even routing"
         lines.append(f"expert coverage ({how}): ~{cov['tokens_per_expert_even_routing']} tokens per routed "
                      f"expert against inputs {cov['widest_expert_input']} wide: "
                      + ("full-rank Hessians" if cov["full_rank"] else

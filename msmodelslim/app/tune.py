@@ -1,9 +1,11 @@
 """`msmodelslim tune`: quantize, measure, fall back the worst linears, quantize again, until the accuracy holds.
 
-msModelSlim's acceptance loop as one command. Round 0 quantizes with the practice; each round evaluates the output's
-perplexity against the original (`msmodelslim eval` on `--dataset`) and, while the relative increase is above
-`--target_ppl_delta` percent, moves the linears with the largest report `error` (quant_report.json of that round)
-one step up: a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of
+msModelSlim's acceptance loop as one command. Round 0 quantizes with the practice; each round evaluates the output
+against the original (`msmodelslim eval` on `--dataset`) and, while the relative perplexity increase is above
+`--target_ppl_delta` percent (or the KL divergence from the original's next-token distribution above `--target_kl`
+nats per token), moves the linears worst by `--metric` in that round's quant_report.json one step up (`impact`,
+the default: the loss-aware score, pipeline/impact.py, which each round then measures on the practice's
+`spec.report_impact_tokens`, else DEFAULT_IMPACT_TOKENS; or `error`, the linear's own relative output error): a 4-bit scheme to W8A8 (W8A8_DYNAMIC, or W8A8_MXFP8 for MX schemes), an 8-bit one to FLOAT. A member of
 a fused serving layer moves its whole group, and at most `--step` percent of the quantized linears move per round
 (processor/fallback.py `worst_within`). Each round's practice is the original with an explicit `spec.fallback`, so it is
 self-contained; it names the fallen-back linears as processor/fallback.py `with_groups` does (a layer's routed
@@ -26,13 +28,14 @@ import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
 from msmodelslim.app.quant import NAME_MAX, QuantArgs, check_request, output_lock, quant, sigterm_raises
+from msmodelslim.core.config import DEFAULT_IMPACT_TOKENS
 from msmodelslim.core.device import parse_device
-from msmodelslim.core.report import REPORT_FILE, ranked, read_report
+from msmodelslim.core.report import REPORT_FILE, ReportMetric, ranked, read_report
 from msmodelslim.errors import UserError
 from msmodelslim.eval.perplexity import check_eval_args, eval_windows
 from msmodelslim.processor.fallback import serving_groups, with_groups, worst_within
@@ -47,7 +50,9 @@ class TuneArgs:
     save_path: str
     model_type: str
     dataset: str
-    target_ppl_delta: float  # percent
+    target_ppl_delta: float | None = None  # percent; this or target_kl
+    target_kl: float | None = None  # nats per predicted token
+    metric: str = "impact"  # what ranks the linears to fall back (a quant report field)
     device: str = "npu"
     quant_type: str | None = None
     config_path: str | None = None
@@ -69,6 +74,12 @@ class Round:
     ppl_quant: float
     delta_pct: float
     output: Path
+    kl: float | None = None  # with --target_kl (the original forwarded beside every round)
+    kl_se: float | None = None
+
+    def measure(self, args: TuneArgs) -> float:
+        """What the target bounds: the perplexity delta (percent) or the KL."""
+        return self.delta_pct if args.target_kl is None else float(self.kl)
 
 
 @dataclass
@@ -88,8 +99,14 @@ def next_scheme(scheme: str) -> str:
 
 
 def _check(args: TuneArgs) -> None:
-    if not args.target_ppl_delta > 0:
+    if (args.target_ppl_delta is None) == (args.target_kl is None):
+        raise UserError("tune needs one target: --target_ppl_delta PCT or --target_kl NATS")
+    if args.target_ppl_delta is not None and not args.target_ppl_delta > 0:
         raise UserError(f"--target_ppl_delta {args.target_ppl_delta}: must be a positive percentage")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise UserError(f"--target_kl {args.target_kl}: must be a positive number of nats per token")
+    if args.metric not in get_args(ReportMetric):
+        raise UserError(f"--metric {args.metric!r}: expected one of {', '.join(get_args(ReportMetric))}")
     if args.max_rounds < 1:
         raise UserError(f"--max_rounds {args.max_rounds}: must be at least 1")
     if not 0 < args.step <= 100:
@@ -104,11 +121,13 @@ def _check(args: TuneArgs) -> None:
 
 
 def _practice_with(base: dict[str, Any], base_dir: Path, fallback: dict[str, str],
-                   fused: list[tuple[str, list[str]]]) -> dict[str, Any]:
+                   fused: list[tuple[str, list[str]]], metric: str = "error") -> dict[str, Any]:
     """The practice `base` (read from `base_dir`) with `fallback` as explicit entries after its own, each scheme's
     linears as `with_groups` names them, the base's files made absolute so the round's practice reads them from
-    anywhere."""
+    anywhere; ranking by `impact`, the report measures it."""
     practice = yaml.safe_load(yaml.safe_dump(base))
+    if metric == "impact" and practice["spec"].get("report_impact_tokens") is None:
+        practice["spec"]["report_impact_tokens"] = DEFAULT_IMPACT_TOKENS
     entries = practice["spec"].get("fallback") or []
     for entry in entries:
         for key in ("names_file", "report"):
@@ -148,31 +167,35 @@ def tune(args: TuneArgs) -> TuneResult:
             for index in range(args.max_rounds):
                 practice_file = rounds_dir / f"round{index}.yaml"
                 practice_file.write_text(yaml.safe_dump(_practice_with(base, plan.chosen.path.parent, fallback,
-                                                                       fused), sort_keys=False), encoding="utf-8")
+                                                                       fused, args.metric), sort_keys=False),
+                                         encoding="utf-8")
                 output = rounds_dir / f"round{index}"
                 quant(replace(quant_args, save_path=str(output), quant_type=None, config_path=str(practice_file)))
                 measured = evaluate(args.model_path, output, args.dataset, device=eval_device, seq_len=args.seq_len,
                                     max_windows=args.max_windows, trust_remote_code=args.trust_remote_code,
-                                    model_type=args.model_type,  # the original once, in round 0
-                                    ppl_orig=result.rounds[0].ppl_orig if result.rounds else None)
+                                    model_type=args.model_type,  # the original once (KL: beside every round)
+                                    ppl_orig=result.rounds[0].ppl_orig if result.rounds and args.target_kl is None
+                                    else None)
                 done = Round(index, dict(fallback), measured["ppl_orig"], measured["ppl_quant"],
-                             measured["delta_pct"], output)
+                             measured["delta_pct"], output, measured.get("kl"), measured.get("kl_se"))
                 result.rounds.append(done)
                 moved = {s: sum(v == s for v in fallback.values()) for s in sorted(set(fallback.values()))}
-                logger.info("tune round %d: %s: perplexity %.4f -> %.4f (%+.2f%%, target %.2f%%)", index,
+                target = f"KL {done.kl:.5f} +- {done.kl_se or 0:.5f} (target {args.target_kl:g})" \
+                    if args.target_kl is not None else f"target {args.target_ppl_delta:.2f}%"
+                logger.info("tune round %d: %s: perplexity %.4f -> %.4f (%+.2f%%), %s", index,
                             ", ".join(f"{n} linears {s}" for s, n in moved.items()) or "the practice as it is",
-                            done.ppl_orig, done.ppl_quant, done.delta_pct, args.target_ppl_delta)
-                if done.delta_pct <= args.target_ppl_delta:
+                            done.ppl_orig, done.ppl_quant, done.delta_pct, target)
+                if done.measure(args) <= (args.target_ppl_delta if args.target_kl is None else args.target_kl):
                     result.reached = True
                     break
                 if index + 1 < args.max_rounds:
-                    stepped = _step_up(output, fallback, args.step, groups)
+                    stepped = _step_up(output, fallback, args.step, groups, args.metric)
                     if stepped == fallback:  # every linear is FLOAT already: no round can do better
                         logger.warning("tune: nothing left to fall back after round %d", index)
                         break
                     fallback = stepped
             # the round that met the target, else the best one
-            result.chosen = result.rounds[-1] if result.reached else min(result.rounds, key=lambda r: r.delta_pct)
+            result.chosen = result.rounds[-1] if result.reached else min(result.rounds, key=lambda r: r.measure(args))
             if save_path.is_dir():
                 save_path.rmdir()
             os.rename(result.chosen.output, save_path)
@@ -193,12 +216,13 @@ def _fused_groups_checking_the_text(plan: Any, args: TuneArgs) -> list[tuple[str
         adapter.close()
 
 
-def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[str, list[str]]) -> dict[str, str]:
+def _step_up(output: Path, fallback: dict[str, str], step: float, groups: dict[str, list[str]],
+             metric: str = "error") -> dict[str, str]:
     """`fallback` with the next worst linears of `output`'s report moved one step up, with their fused groups, at
     most `step` percent of the quantized linears (module docstring)."""
     report = read_report(output / REPORT_FILE)["linears"]
     budget = max(1, math.ceil(len(report) * step / 100))
-    worst = worst_within([name for name, _ in ranked(report)], groups, set(report), budget)
+    worst = worst_within([name for name, _ in ranked(report, metric)], groups, set(report), budget)
     out = dict(fallback)
     for name in worst:
         out[name] = next_scheme(report[name]["scheme"])

@@ -77,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--report_path", default=None, metavar="FILE.json", help="write the whole quant report")
     _common(analyze)
 
-    tune = sub.add_parser("tune", help="quantize, evaluate, fall back the worst linears, until a perplexity target",
-                          description="Rounds of quantize -> perplexity -> fall back the linears with the largest "
-                                      "report error, until the perplexity increase is at most the target.")
+    tune = sub.add_parser("tune", help="quantize, evaluate, fall back the worst linears, until an accuracy target",
+                          description="Rounds of quantize -> evaluate -> fall back the linears the report ranks "
+                                      "worst, until the perplexity increase (or the KL) is at most the target.")
     _model_arguments(tune)
     tune.add_argument("--save_path", required=True, help="output directory (must not exist or be empty)")
     tune.add_argument("--target", default=None, metavar="ENGINE",
@@ -87,8 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "practice's spec.target, else vllm-ascend-0.27); its load rules are checked before any "
                             "compute")
     tune.add_argument("--dataset", required=True, help="a UTF-8 text file for the perplexity")
-    tune.add_argument("--target_ppl_delta", type=float, required=True, metavar="PCT",
-                      help="accept a quantization whose perplexity is at most PCT %% above the original's")
+    targets = tune.add_mutually_exclusive_group(required=True)
+    targets.add_argument("--target_ppl_delta", type=float, metavar="PCT",
+                         help="accept a quantization whose perplexity is at most PCT %% above the original's")
+    targets.add_argument("--target_kl", type=float, metavar="NATS",
+                         help="accept a quantization whose next-token KL divergence from the original is at most "
+                              "NATS per token (the original is forwarded beside every round)")
+    tune.add_argument("--metric", default="impact", metavar="METRIC",
+                      help="the quant report field that ranks the linears to fall back: impact (the loss-aware "
+                           "score, default) or error (the linear's own relative output error)")
     tune.add_argument("--max_rounds", type=int, default=4, help="quantizations at most, the first included (4)")
     tune.add_argument("--step", type=float, default=10.0, metavar="PCT",
                       help="percent of the quantized linears moved up per round, with their fused groups (10)")
@@ -209,16 +216,18 @@ def _run_tune(ns: argparse.Namespace) -> int:
     setup_logging(ns.log_level)
     result = tune(TuneArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, dataset=ns.dataset,
-        target_ppl_delta=ns.target_ppl_delta, device=device_of(ns), quant_type=ns.quant_type, config_path=ns.config_path,
+        target_ppl_delta=ns.target_ppl_delta, target_kl=ns.target_kl, metric=ns.metric, device=device_of(ns), quant_type=ns.quant_type, config_path=ns.config_path,
         trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag), max_rounds=ns.max_rounds, step=ns.step,
         calibration_dataset=ns.calibration_dataset, target=ns.target,
         seq_len=ns.seq_len, max_windows=ns.max_windows))
+    target = f"KL {ns.target_kl:g}" if ns.target_kl is not None else f"{ns.target_ppl_delta:g} %"
     print(f"msmodelslim tune: {'target reached' if result.reached else 'target NOT reached'} "
-          f"({ns.target_ppl_delta:g} %) in {len(result.rounds)} round(s)")
+          f"({target}) in {len(result.rounds)} round(s)")
     for r in result.rounds:
         mark = "  <- published" if r is result.chosen else ""
+        kl = "" if r.kl is None else f", KL {r.kl:.5f} +- {r.kl_se or 0:.5f}"
         print(f"  round {r.index}: {len(r.fallback):>4} linears fallen back, perplexity {r.ppl_orig:.4f} -> "
-              f"{r.ppl_quant:.4f} ({r.delta_pct:+.2f} %){mark}")
+              f"{r.ppl_quant:.4f} ({r.delta_pct:+.2f} %){kl}{mark}")
     print(f"  output     {result.save_path} (its practice, with the fallback, is copied beside the weights)")
     return 0
 

@@ -12,6 +12,7 @@ spec:
   max_seq_len: 512                             # optional; tokens per record (default 4096, null: no cap)
   micro_batch_tokens: 8192                     # optional; records of one length share a forward up to this
   report_tokens: 65536                         # optional; the quant report observes this many tokens (null: all)
+  report_impact_tokens: 8192                   # optional; the report's loss-aware `impact` on this many (null: none)
   resume_every: 1                              # optional; the resumable state is kept after every this many units
   save: [{type: ascendv1_saver, part_file_size: 4}]
 ```
@@ -49,6 +50,9 @@ DEFAULT_MICRO_BATCH_TOKENS = 8192  # a forward of 8k tokens: ~2 GiB of a full-si
 # The quant report's statistics come from the first 64k calibration tokens: ~1,200 per routed expert of Kimi-K3
 # (top-16 of 896), enough to rank linears by their error, and past them a calibration token costs no report work.
 DEFAULT_REPORT_TOKENS = 65536
+# The report's `impact` (pipeline/impact.py) forwards each unit once per serving group on this many tokens when
+# analyze or tune asks for it: a few forwards of a capped sample, against a calibration pass's million tokens.
+DEFAULT_IMPACT_TOKENS = 8192
 ApiVersion = Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"]  # the text and the multimodal service
 MULTIMODAL_APIVERSION = "multimodal_vlm_modelslim_v1"
 
@@ -438,6 +442,10 @@ class Spec(StrictConfig):
     # The quant report observes the micro-batches that come first in the global order up to this many tokens (the
     # same ones on any number of ranks; null: every token). The routed experts' coverage counts their Hessians'.
     report_tokens: int | None = DEFAULT_REPORT_TOKENS
+    # The report's loss-aware `impact` of each linear (pipeline/impact.py), from the first this many calibration
+    # tokens: the unit forwarded once as float and once per serving group with that group float (null: not measured;
+    # `msmodelslim analyze --metrics impact` and `tune --metric impact` set DEFAULT_IMPACT_TOKENS).
+    report_impact_tokens: int | None = None
     fallback: list[FallbackConfig] = field(default_factory=list)  # linears kept in higher precision
     # MTP layers (Kimi-K3's layers.{N + k}): quantized like the rest, kept FLOAT, or left out of the output (and out
     # of config.json's num_nextn_predict_layers). vllm-ascend v0.26.0rc skips them; vLLM on GPU and SGLang draft
@@ -452,6 +460,10 @@ class Spec(StrictConfig):
     # MoEQuant's affinity-guided GPTQ: a routed expert's Hessian weighs each of its tokens by the router's weight
     # for it (core/routing.py); its tokens are still the routed ones (not with calibrate_all_experts)
     affinity_guided_experts: bool = False
+    # MoEQuant's expert balance from the calibration set: in the statistics passes a routed expert the router sends
+    # fewer than its balanced share of a micro-batch (tokens x top-k / experts) also computes, for its Hessian and
+    # ranges only, on the tokens the router scores highest for it up to that share; the layer's output is as ever
+    balanced_experts: bool = False
     # The resumable state (pipeline/resume.py) is kept after every this many units and after the last: a resume
     # recomputes at most resume_every - 1 units, and a run writes the samples' state (Kimi-K3: 126 KiB per token
     # and rank) that many times less often.
@@ -460,13 +472,18 @@ class Spec(StrictConfig):
     def validate(self) -> None:
         if not self.dataset.strip():
             raise ValueError("dataset must not be empty")
-        for name in ("max_samples", "max_seq_len", "micro_batch_tokens", "report_tokens", "resume_every"):
+        for name in ("max_samples", "max_seq_len", "micro_batch_tokens", "report_tokens", "report_impact_tokens",
+                     "resume_every"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.calibrate_all_experts and self.affinity_guided_experts:
             raise ValueError("affinity_guided_experts weighs the tokens the router sends an expert by its weights, "
                              "which are 0 for the others calibrate_all_experts adds: choose one")
+        if self.balanced_experts and (self.calibrate_all_experts or self.affinity_guided_experts):
+            raise ValueError("balanced_experts tops each routed expert's tokens up to its share; it goes with "
+                             "neither calibrate_all_experts (every token already) nor affinity_guided_experts "
+                             "(no router weight for the added tokens): choose one")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from msmodelslim.errors import UserError
 REPORT_FILE = "quant_report.json"
 REPORT_VERSION = 1
 # What a report ranks linears by (each is worst when largest): a fallback's `metric`, analyze's `--metrics`.
-ReportMetric = Literal["error", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
+ReportMetric = Literal["error", "impact", "weight_error", "act_error", "weight_kurtosis", "weight_std", "act_absmax",
                        "act_channel_ratio", "act_kurtosis", "act_peak_ratio"]
 # msModelSlim's `analyze --metrics` names -> the report's fields (msModelSlim reads kurtosis, std and quantile off
 # the linears' input activations, as these fields do)

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 # how routed experts are calibrated in the statistics passes (ModelAdapter.calibrate_experts)
-ExpertStatistics = Literal["routed", "all_tokens", "affinity"]
+ExpertStatistics = Literal["routed", "all_tokens", "affinity", "balanced"]
 _ROW_WEIGHTS: ContextVar[torch.Tensor | None] = ContextVar("row_weights", default=None)
 
 

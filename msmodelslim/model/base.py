@@ -132,9 +132,12 @@ class ModelAdapter(ABC):
         """How routed experts are calibrated in every statistics pass (`statistics_pass`): "routed" on the tokens
         the router sends them; "all_tokens" (`spec.calibrate_all_experts`) each on every token of its rank, while
         the layer's output keeps the router's choice; "affinity" (`spec.affinity_guided_experts`) on their routed
-        tokens, each weighed by the router's weight in their Hessians (core/routing.py)."""
+        tokens, each weighed by the router's weight in their Hessians (core/routing.py); "balanced"
+        (`spec.balanced_experts`) on their routed tokens topped up, for the statistics, with the tokens the router
+        scores highest for them, to the share of each micro-batch a balanced router would send them."""
         if how != "routed":
-            key = "calibrate_all_experts" if how == "all_tokens" else "affinity_guided_experts"
+            key = {"all_tokens": "calibrate_all_experts", "affinity": "affinity_guided_experts",
+                   "balanced": "balanced_experts"}[how]
             raise UserError(f"spec.{key}: {type(self).__name__} has no routed experts to calibrate")
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:

@@ -39,7 +39,8 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
 
     adapter.serve_on(profile(spec.target, "spec.target"))
     adapter.calibrate_experts("all_tokens" if spec.calibrate_all_experts else
-                              "affinity" if spec.affinity_guided_experts else "routed")
+                              "affinity" if spec.affinity_guided_experts else
+                              "balanced" if spec.balanced_experts else "routed")
     if spec.mtp == "drop" and adapter.drop_units("mtp"):
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)

@@ -11,7 +11,7 @@ the unit freed -> `unit_done` -> ... -> `loop_done` -> `finish_rank` -> `publish
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch import nn
 from msmodelslim.core.device import synchronize
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import Unit
+from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.profile import PassProfiler
 from msmodelslim.pipeline.report import QuantReport
 from msmodelslim.pipeline.resume import ResumeState
@@ -32,6 +33,9 @@ LayerWiseRunner = Any
 
 class UnitHook:
     """One service of the runner; every point does nothing by default."""
+
+    # Given to the processors as `UnitContext.keep_replaced`: the float linears they replace, for this hook's probe
+    keep_replaced: Callable[[str, nn.Module], None] | None = None
 
     def restore(self, run: LayerWiseRunner) -> tuple[int, list[dict[str, Any]]] | None:
         """(first unit to run, the samples' states) when the run continues from kept state, else None."""
@@ -54,6 +58,11 @@ class UnitHook:
     def keep(self, run: LayerWiseRunner, step: int, state: Any) -> Any:
         """A unit's output for the sample of `step`, on the host, as the runner keeps it."""
         return state
+
+    def probe(self) -> ImpactProbe | None:
+        """Variants of the processed unit to forward over a few samples before the forward that makes the next
+        unit's inputs (pipeline/impact.py), or None."""
+        return None
 
     def propagating(self, unit: Unit, module: nn.Module) -> None:
         """Before the forward that makes the next unit's inputs."""
@@ -110,6 +119,11 @@ class ReportHook(UnitHook):
     def __init__(self, report: QuantReport) -> None:
         self.report = report
         self._watched: list[Any] = []
+        if report.impact is not None:
+            self.keep_replaced = report.impact.keep
+
+    def probe(self) -> ImpactProbe | None:
+        return self.report.impact
 
     def step(self, step: int) -> None:
         self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)

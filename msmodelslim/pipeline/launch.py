@@ -38,6 +38,7 @@ from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
 from msmodelslim.pipeline.assembly import place_tokens, prepare_run, report_positions, split_samples
 from msmodelslim.pipeline.hooks import service_hooks
+from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
 from msmodelslim.pipeline.profile import pass_profiler, write_profile
 from msmodelslim.pipeline.report import QuantReport
@@ -201,7 +202,9 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         background = request.background and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
-                        positions=report_positions(samples, spec.report_tokens))
+                        positions=report_positions(samples, spec.report_tokens),
+                        impact=None if spec.report_impact_tokens is None else
+                        ImpactProbe(adapter, dist, report_positions(samples, spec.report_impact_tokens)))
         resume = None if request.report_only else ResumeState(request.work_dir)
         # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",

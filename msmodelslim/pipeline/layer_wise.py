@@ -45,6 +45,7 @@ from msmodelslim.pipeline.answers import Carried, UnitContext, run_processor
 from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.hooks import UnitHook
+from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.spill import map_state
 from msmodelslim.processor.base import OutputExtras, Processor
 
@@ -245,7 +246,8 @@ class LayerWiseRunner:
                           run_samples=lambda: self._statistics_pass(unit, module, states),
                           run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
                           observing=lambda: observed_now(self._observed, self._step, self.dist),
-                          within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist))
+                          within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist),
+                          keep_replaced=next((h.keep_replaced for h in self.hooks if h.keep_replaced), None))
         carried = Carried()  # Hessians a pass gathered for a later processor of this unit
         for k, processor in enumerate(self.processors):
             self._pass_kind = processor.name
@@ -259,6 +261,9 @@ class LayerWiseRunner:
                    last: bool) -> list[dict[str, Any]]:
         """The forward that makes the next unit's inputs (quantization errors propagate as at inference), with the
         hooks' observers on; the last unit feeds nothing and is forwarded only where a hook asks."""
+        for probe in filter(None, (hook.probe() for hook in self.hooks)):
+            with self.stage("impact"):
+                self._probe(unit, module, states, probe)
         with self.stage("calibrate"):
             for hook in self.hooks:
                 hook.propagating(unit, module)
@@ -274,6 +279,31 @@ class LayerWiseRunner:
         for hook in self.hooks:
             hook.propagated(self, index, unit, last)
         return states
+
+    def _probe(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]], probe: ImpactProbe) -> None:
+        """A hook's probe (pipeline/impact.py): on the steps of its samples, its variants of the unit over each
+        sample's inputs (an idle rank takes part in each variant's collectives); no state is kept, and the few
+        capped samples are no calibration pass."""
+        variants = probe.start(unit)
+        if not variants:
+            return
+        device = self.dist.device
+        probe.on_device(device)
+        steps = self._steps(states)
+        only = probe.steps(steps)
+        with torch.no_grad(), heap_for_temporaries():
+            for step in range(steps):
+                if only is not None and step not in only:
+                    continue
+                self._step = step
+                if step < len(states):
+                    inputs = HostCopies().to_device(self._loaded(states[step]), device)
+                    probe.measure(module, lambda inputs=inputs: self.adapter.forward_unit(unit, module, inputs),
+                                  inputs, counted=probe.probed(step))
+                else:
+                    for _ in range(variants):
+                        self.adapter.idle_unit(unit, module)
+        probe.finish()
 
     def _publish(self) -> None:
         """Every rank's part on disk, then rank 0 completes the output (the processors' description entries and

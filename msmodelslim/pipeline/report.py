@@ -25,8 +25,9 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.core.report import REPORT_FILE, REPORT_VERSION, ranked
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.assembly import observed_now, steps_with
+from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.quant.modules import QuantLinear
-from msmodelslim.quant.sensitivity import InputSums, report_entry
+from msmodelslim.quant.sensitivity import InputSums, report_entry, significant
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,9 @@ LOGGED_WORST = 15  # msModelSlim's `analyze --top_k` default
 
 class QuantReport:
     def __init__(self, adapter: ModelAdapter, dist: DistContext, source: dict[str, str], work_dir: Path,
-                 positions: set[int] | None = None) -> None:
+                 positions: set[int] | None = None, impact: ImpactProbe | None = None) -> None:
         self.adapter = adapter
+        self.impact = impact  # the loss-aware score's probe (pipeline/impact.py), when the practice asks for it
         self.positions = positions  # the samples observed, by place in the dealing order (assembly.report_positions)
         self._step = 0  # this rank's sample in progress: every rank forwards its sample `step` at the same time
         self.dist = dist
@@ -77,10 +79,17 @@ class QuantReport:
             for k in summed:
                 setattr(sums, k, floats[f"{name}/{k}"])
             sums.tokens, sums.absmax = tokens[name], absmax[name]
+        names = {name: self.adapter.checkpoint_name(unit, name) for name, _ in linears}
         for name, m in linears:
             entry = report_entry(m.scheme.name, m.weight_error, m.observer)
-            self.entries[self.adapter.checkpoint_name(unit, name)] = {"unit": unit.name, **entry}
+            self.entries[names[name]] = {"unit": unit.name, **entry}
             m.observer = m.weight_error = None
+        if self.impact is not None and self.impact.impacts:  # the unit was probed (on every rank alike)
+            absolute = {names[n]: (self.entries[names[n]]["error"] or 0.0) * (self.entries[names[n]]["output_energy"]
+                                                                            or 0.0) for n, _ in linears}
+            replicated = {names[n] for n, _ in linears if not self.adapter.is_rank_local(n)}
+            for name, value in self.impact.shares(absolute, replicated).items():
+                self.entries[name]["impact"] = significant(value)
 
     def resume_state(self) -> dict[str, Any]:
         return {"entries": dict(self.entries)}
@@ -116,7 +125,8 @@ def expert_coverage(experts: dict[str, dict[str, Any]], calibration: str = "rout
     GPTQ had one, every calibration token, else the report's own), and those that saw fewer than their inputs: their
     Hessians are rank-deficient (GPTQ shrinks them toward the diagonal; none at all means min/max rounding for a
     weight no token tested). Logged as a warning naming them; None without experts. `calibration`: how the experts'
-    statistics were taken (`ModelAdapter.calibrate_experts`: "routed", "all_tokens" or "affinity"), said in it."""
+    statistics were taken (`ModelAdapter.calibrate_experts`: "routed", "all_tokens", "affinity" or "balanced"), said
+    in it."""
     if not experts:
         return None
     seen = {n: e["tokens"] if e.get("hessian_tokens") is None else e["hessian_tokens"] for n, e in experts.items()}

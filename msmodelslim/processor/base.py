@@ -33,6 +33,9 @@ class UnitContext:
     # During any pass: whether the tokens in progress come from the samples of the first N calibration tokens (None:
     # every token), so a hook can keep those inputs for a capped statistic answered later without a pass.
     within_first: Callable[[int | None], bool] = lambda tokens: True
+    # Where a processor that replaces a linear by its quantized form hands over the float one (live name, module),
+    # when a service of the runner reads it later in the unit (the quant report's impact); None: none does.
+    keep_replaced: Callable[[str, nn.Module], None] | None = None
 
     @property
     def device(self) -> torch.device:

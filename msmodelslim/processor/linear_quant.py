@@ -283,6 +283,8 @@ class LinearQuantProcessor(Processor):
             quant.weight_error = weight_error(linear.weight, quant.dequantized_weight(), method,
                                               merged.get(f"{live_name}.hessian_error"), tokens.get(live_name))
             setattr(parent, child, quant)
+            if ctx.keep_replaced is not None:
+                ctx.keep_replaced(live_name, linear)
         kept = f", {len(native)} keep the checkpoint's MXFP4 bytes" if native else ""
         logger.info("linear_quant %s (%s): %s quantized %d linears%s", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(quantized), kept)

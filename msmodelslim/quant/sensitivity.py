@@ -122,7 +122,7 @@ class InputSums:
         self.tokens += flat.shape[0]
 
 
-def _significant(value: float | None, digits: int = 4) -> float | None:
+def significant(value: float | None, digits: int = 4) -> float | None:
     """`value` to `digits` significant digits: the report's float sums are not bit-exact across rank counts."""
     if value is None or not math.isfinite(value) or value == 0:
         return value
@@ -154,18 +154,18 @@ def report_entry(scheme: str, weight: WeightError, sums: InputSums) -> dict[str,
     return {
         "scheme": scheme,
         "method": weight.method,
-        "error": _significant(None if weight_err is None else weight_err + act_err),
-        "weight_error": _significant(weight_err),
-        "act_error": _significant(act_err),
+        "error": significant(None if weight_err is None else weight_err + act_err),
+        "weight_error": significant(weight_err),
+        "act_error": significant(act_err),
         "hessian": "exact" if weight.exact is not None else "diagonal",
         "tokens": tokens,  # the tokens the report observed (spec.report_tokens)
         "hessian_tokens": weight.hessian_tokens,  # those behind GPTQ's Hessian: every calibration token it saw
         "inputs": int(sums.squares.numel()),  # fewer tokens than inputs: a rank-deficient Hessian
-        "output_energy": _significant(out_sq),  # sum over the tokens of ||y||^2: error * this is the absolute error
-        "weight_kurtosis": _significant(weight.kurtosis),
-        "weight_std": _significant(weight.std),
-        "act_absmax": _significant(float(absmax.max()) if absmax.numel() else None),
-        "act_channel_ratio": _significant(ratio),  # max channel range / median channel range: outlier channels
-        "act_kurtosis": _significant(act_kurtosis),  # of all input elements: 3 for a Gaussian
-        "act_peak_ratio": _significant(act_peak),  # max |x| / std of all input elements
+        "output_energy": significant(out_sq),  # sum over the tokens of ||y||^2: error * this is the absolute error
+        "weight_kurtosis": significant(weight.kurtosis),
+        "weight_std": significant(weight.std),
+        "act_absmax": significant(float(absmax.max()) if absmax.numel() else None),
+        "act_channel_ratio": significant(ratio),  # max channel range / median channel range: outlier channels
+        "act_kurtosis": significant(act_kurtosis),  # of all input elements: 3 for a Gaussian
+        "act_peak_ratio": significant(act_peak),  # max |x| / std of all input elements
     }

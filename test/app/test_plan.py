@@ -101,7 +101,7 @@ def test_the_plan_reads_headers_only_and_takes_seconds(tiny_k3_checkpoint, tmp_p
     tokens = saved["calibration"]["tokens"]
     assert saved["calibration"]["expert_coverage"] == {
         "tokens_per_expert_even_routing": tokens * 4 // 16, "widest_expert_input": 64, "tokens_for_full_rank": 256,
-        "all_tokens": False,
+        "all_tokens": False, "balanced": False,
         "full_rank": tokens * 4 // 16 >= 64}
     assert "expert coverage (even routing): ~" in out
     assert "no benchmark record for cpu" in saved["time"]["note"]

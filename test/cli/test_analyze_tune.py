@@ -133,25 +133,44 @@ def test_bad_analyze_input_is_one_line_and_writes_nothing(tiny_k3_checkpoint, tm
 
 
 @pytest.mark.skipif(not (MINI / "config.json").is_file() or not TEXT.is_file(), reason="../shared not available")
-def test_tune_falls_back_until_the_target_holds_and_publishes_that_round(tmp_path, capsys):
+def test_tune_falls_back_until_the_kl_target_holds_and_publishes_that_round(tmp_path, capsys):
     """kimi-linear-mini, min/max W4A8_DYNAMIC per group of 32 on every linear of the shipped practice and nothing
-    else (no rotation, no smoothing). --step 100 moves every quantized linear one step per round: W8A8 in round 1,
-    FLOAT in round 2, whose output is the float model (delta 0: reference, the original's own perplexity), so a
-    0.01 % target holds there and nowhere before, on any CPU's float kernels."""
+    else (no rotation, no smoothing), ranked by the report's `impact` (tune's default: every round measures it).
+    --step 100 moves every quantized linear one step per round: W8A8 in round 1, FLOAT in round 2, whose output is
+    the float model (KL 0: reference, the original's own next-token distribution), so a 1e-6 KL target holds there
+    and nowhere before, on any CPU's float kernels."""
     minmax_everywhere("kimi_linear_w4a8.yaml", tmp_path / "p.yaml", max_samples=4, max_seq_len=128)
     save = tmp_path / "tuned"
     code = main(["tune", "--model_path", str(MINI), "--save_path", str(save), "--device", "cpu", "--model_type",
                  "Kimi-Linear", "--config_path", str(tmp_path / "p.yaml"), "--dataset", str(TEXT),
-                 "--target_ppl_delta", "0.01", "--step", "100", "--max_rounds", "4", "--seq_len", "256",
+                 "--target_kl", "1e-6", "--step", "100", "--max_rounds", "4", "--seq_len", "256",
                  "--max_windows", "4", "--log_level", "warning"])
     out = capsys.readouterr().out
-    assert code == 0 and "target reached (0.01 %) in 3 round(s)" in out, out
-    assert "round 2:" in out and "(+0.00 %)  <- published" in out.splitlines()[3], out
+    assert code == 0 and "target reached (KL 1e-06) in 3 round(s)" in out, out
+    rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
+    kls = [float(line.split(", KL ")[1].split()[0]) for line in rounds]
+    assert kls[0] > kls[1] > 1e-6 >= kls[2] and rounds[2].endswith("<- published"), out
     description = json.loads((save / "quant_model_description.json").read_text())
     assert {v for k, v in description.items() if k.endswith(".weight")} == {"FLOAT"}
     kept = yaml.safe_load((save / "Kimi-Linear_best_practice.yaml").read_text())
     assert [e["to"] for e in kept["spec"]["fallback"]] == ["FLOAT"]
+    assert kept["spec"]["report_impact_tokens"] == 8192  # tune's impact ranking measured it in every round
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml", "tuned"]  # the rounds are gone
+
+
+@pytest.mark.parametrize("flags, said", [
+    ([], "one of the arguments --target_ppl_delta --target_kl is required"),
+    (["--target_ppl_delta", "1", "--target_kl", "0.1"], "not allowed with argument"),
+    (["--target_kl", "0"], "--target_kl 0.0: must be a positive number of nats per token"),
+    (["--target_kl", "0.1", "--metric", "loss"], "--metric 'loss': expected one of"),
+])
+def test_tune_takes_exactly_one_positive_target_and_a_report_metric(flags, said, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        code = main(["tune", "--model_path", str(MINI), "--save_path", str(tmp_path / "t"), "--device", "cpu",
+                     "--model_type", "Kimi-Linear", "--quant_type", "w4a8", "--dataset", str(TEXT), *flags])
+        raise SystemExit(code)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
 
 
 def k3_sized_groups() -> list[tuple[str, list[str]]]:

@@ -170,6 +170,8 @@ def _bad(tmp_path: Path, old: str, new: str) -> str:
         ("  max_samples: 8", "  max_samples: eight", "spec.max_samples: expected an integer, got str 'eight'"),
         ("  max_samples: 8", "  max_samples: 8\n  calibrate_all_experts: true\n  affinity_guided_experts: true",
          "spec: affinity_guided_experts weighs the tokens the router sends an expert by its weights"),
+        ("  max_samples: 8", "  max_samples: 8\n  calibrate_all_experts: true\n  balanced_experts: true",
+         "spec: balanced_experts tops each routed expert's tokens up to its share"),
         ("  dataset: calibImages\n", "", "spec.dataset: required key is missing"),
         ('  default_text: "Describe this image."\n', "",
          "spec.default_text: required (non-empty) for apiversion multimodal_vlm_modelslim_v1"),

@@ -281,3 +281,33 @@ def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights
         xs = x[rows].double()
         reference = rows.numel() * (xs.t() * weights) @ xs / weights.sum()
         assert float((h.double() - reference).norm() / reference.norm()) < 1e-5
+
+
+def test_balanced_experts_top_each_expert_up_to_its_share_with_its_highest_scored_tokens():
+    """`ep_moe_infer(scores=...)` (spec.balanced_experts): an expert the router sends fewer than ceil(tokens x k /
+    experts) rows computes, for its observers, on its routed rows and then the highest-logit other rows up to that
+    share; one with more sees its routed rows only; the block's output is the routed one. Reference: the rows each
+    expert's w1 receives against the routing table and a descending sort of the logits (exact); the output against
+    the dispatch without scores (bf16 tolerances: a row of a matmul over more rows may round differently)."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+
+    experts = _expert_block("float")
+    x, idx, w = _routing()
+    logits = torch.randn(x.shape[0], 9, generator=torch.Generator().manual_seed(2))
+    share = -(-x.shape[0] * idx.shape[1] // 9)  # 40 tokens x 3 / 9 experts -> 14
+    seen: dict[str, torch.Tensor] = {}
+    for key, expert in experts.items():
+        expert.w1.register_forward_pre_hook(lambda _m, args, k=key: seen.__setitem__(k, args[0]))
+    plain = ep_moe_infer(experts, x, idx, w, SINGLE)
+    seen.clear()
+    balanced = ep_moe_infer(experts, x, idx, w, SINGLE, scores=logits)
+    torch.testing.assert_close(balanced, plain)
+    topped = 0
+    for key in experts:
+        routed = torch.nonzero(idx == int(key), as_tuple=True)[0]
+        others = [t for t in logits[:, int(key)].argsort(descending=True).tolist() if t not in set(routed.tolist())]
+        added = others[:max(0, share - routed.numel())]
+        topped += bool(added)
+        assert torch.equal(seen[key], x[torch.tensor(routed.tolist() + added, dtype=torch.long)]), key
+    assert topped >= 2  # expert 5 (no routed token) and at least one more were topped up

@@ -125,7 +125,7 @@ def test_the_quant_report_covers_every_quantized_linear_and_agrees_across_rank_c
     assert experts_per_layer and all(a == b for a, b in experts_per_layer.values())
     later = []
     for name, entry in one.items():
-        for key in ("error", "weight_error", "act_error", "act_absmax"):  # None: no observed token reached it
+        for key in ("error", "weight_error", "act_error", "act_absmax", "impact"):  # None: no token reached it
             mine, other = entry[key], two[name][key]
             if name.startswith("model.layers.0."):
                 assert mine == (None if other is None else pytest.approx(other, rel=2e-3)), (name, key)

@@ -40,6 +40,8 @@ class _BlockEP:
     top_k: int
     all_tokens: bool = False  # every local expert computes on every token (`all_experts_compute`)
     affinity: bool = False  # each expert's rows carry their router weights (`experts_weigh_rows`)
+    balanced: bool = False  # experts topped up to their balanced share (`experts_balance_tokens`), with
+    scores: torch.Tensor | None = None  # the router's logits [tokens, experts] of the gate call in progress
 
 
 def is_native_moe(block: nn.Module) -> bool:
@@ -52,22 +54,27 @@ def is_moe_block(module: nn.Module) -> bool:
 
 
 def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-                 dist: DistContext, all_tokens: bool = False, affinity: bool = False) -> torch.Tensor:
+                 dist: DistContext, all_tokens: bool = False, affinity: bool = False,
+                 scores: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert output for this rank's tokens; `experts` holds only this rank's experts, keyed by index.
     `all_tokens`: each expert computes on every token (its observers see them all), and only the rows the router
     chose enter the output. `affinity`: each expert is called on its rows with their router weights said
-    (`core.routing.routed_rows`: affinity-guided Hessians), expert by expert."""
+    (`core.routing.routed_rows`: affinity-guided Hessians), expert by expert. `scores` (the router's logits
+    [tokens, experts], `experts_balance_tokens`): an expert the router sends fewer than its balanced share of a
+    source's tokens (tokens x k / experts) computes on its routed rows and, for its observers only, on the
+    highest-scored others up to that share (MoEQuant's expert balance, from the calibration tokens themselves)."""
     k = topk_idx.shape[-1]
     width = x.shape[-1]
     if dist.is_distributed:
-        packed = torch.cat([x.float(), topk_idx.float(), topk_weight.float()], dim=1).to(dist.device)
-        sources = [(b[:, :width].to(x.dtype), b[:, width : width + k].long(), b[:, width + k :])
-                   for b in dist.all_gather_rows(packed)]
+        parts = [x.float(), topk_idx.float(), topk_weight.float(), *([] if scores is None else [scores.float()])]
+        packed = torch.cat(parts, dim=1).to(dist.device)
+        sources = [(b[:, :width].to(x.dtype), b[:, width : width + k].long(), b[:, width + k : width + 2 * k],
+                    None if scores is None else b[:, width + 2 * k :]) for b in dist.all_gather_rows(packed)]
     else:
-        sources = [(x, topk_idx, topk_weight.float())]
+        sources = [(x, topk_idx, topk_weight.float(), scores)]
 
     slots = []
-    for source, (xs, idx, w) in enumerate(sources):  # each rank's tokens (the report observes some ranks' only)
+    for source, (xs, idx, w, logits) in enumerate(sources):  # each rank's tokens (the report observes some ranks' only)
         out = torch.zeros((xs.shape[0], k, width), dtype=torch.float32, device=x.device)
         # (token, slot) pairs grouped by expert with one host sync per source; the stable sort keeps each expert's
         # rows in token order, so its matmuls see the rows a per-expert scan would give
@@ -78,7 +85,7 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         with token_source(source if dist.is_distributed else dist.rank):
             spans = [(expert, starts[e], starts[e + 1]) for key, expert in experts.items()
                      if (e := int(key) + 1) < len(counts) and counts[e]]
-            if not all_tokens and not affinity and spans and _groupable(experts, spans):
+            if not all_tokens and not affinity and logits is None and spans and _groupable(experts, spans):
                 first, end = spans[0][1], spans[-1][2]
                 sel = order[first:end]
                 rows, cols = sel // k, sel % k
@@ -90,6 +97,14 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
                     routed = e < len(counts) and counts[e]
                     if all_tokens and xs.shape[0]:
                         y = expert(xs)
+                    if logits is not None and xs.shape[0]:
+                        sel = order[starts[e]:starts[e + 1]] if routed else order[:0]
+                        rows, cols = sel // k, sel % k
+                        share = -(-xs.shape[0] * k // logits.shape[1])  # ceil(tokens x k / experts)
+                        y_rows = _balanced_call(expert, xs, rows, logits[:, e - 1], share)
+                        if routed:
+                            out[rows, cols] = y_rows.float() * w[rows, cols][:, None]
+                        continue
                     if routed:
                         sel = order[starts[e]:starts[e + 1]]
                         rows, cols = sel // k, sel % k
@@ -103,6 +118,19 @@ def ep_moe_infer(experts: nn.ModuleDict, x: torch.Tensor, topk_idx: torch.Tensor
         slots.append(out)
     own = dist.exchange_sum(slots)  # each rank gets back only its own tokens' slots
     return own.sum(dim=1).to(x.dtype)
+
+
+def _balanced_call(expert: nn.Module, xs: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor,
+                   share: int) -> torch.Tensor:
+    """`expert` on its routed `rows` of xs, topped up for its observers with the highest-`logits` other rows to
+    `share` rows in all; the routed rows' outputs."""
+    extra = share - rows.numel()
+    if extra <= 0:
+        return expert(xs[rows])
+    others = logits.float().clone()
+    others[rows] = float("-inf")
+    added = torch.topk(others, min(extra, xs.shape[0] - rows.numel())).indices
+    return expert(xs[torch.cat([rows, added])])[: rows.numel()]
 
 
 # Expert classes computing w2(act_fn(w1 x, w3 x)) and nothing else: the stand-in's (remote code, built from vLLM's
@@ -137,7 +165,8 @@ def _grouped_experts(spans: list[tuple[nn.Module, int, int]], x: torch.Tensor, o
 def _standin_moe_infer(self: nn.Module, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weight: torch.Tensor) -> torch.Tensor:
     ep: _BlockEP = getattr(self, _EP_ATTR)
-    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity)
+    scores, ep.scores = ep.scores, None
+    return ep_moe_infer(self.experts, x, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity, scores)
 
 
 def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -145,7 +174,8 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
     _, topk_weight, topk_idx = self.gate(hidden_states)
     flat = hidden_states.reshape(-1, shape[-1])
     ep: _BlockEP = getattr(self, _EP_ATTR)
-    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity)
+    scores, ep.scores = ep.scores, None
+    routed = ep_moe_infer(self.experts, flat, topk_idx, topk_weight, ep.dist, ep.all_tokens, ep.affinity, scores)
     return routed.view(shape) + self.shared_experts(hidden_states)
 
 
@@ -168,7 +198,9 @@ def ep_idle(block: nn.Module) -> None:
     dtype = next(iter(block.experts.values())).w1.weight.dtype
     x = torch.empty((0, ep.expert_width), device=device, dtype=dtype)
     idx = torch.empty((0, ep.top_k), device=device, dtype=torch.long)
-    ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist)
+    # with balanced experts every rank's rows carry the router's logits (the gathered rows are one width)
+    scores = torch.empty((0, block.gate.weight.shape[0]), device=device) if ep.balanced else None
+    ep_moe_infer(block.experts, x, idx, torch.empty((0, ep.top_k), device=device), ep.dist, scores=scores)
 
 
 def experts_weigh_rows(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -182,6 +214,31 @@ def all_experts_compute(model: nn.Module) -> contextlib.AbstractContextManager[N
     "calibrate all experts": an expert's statistics see all of its rank's tokens, not the ~top-k / E the router
     sends it), while each block's output keeps the router's choice."""
     return _every_block(model, "all_tokens")
+
+
+@contextlib.contextmanager
+def experts_balance_tokens(model: nn.Module) -> Iterator[None]:
+    """Within: every EP block's router logits (its gate's linear scores, x W_gate^T, for every expert) are kept for
+    its dispatch, which tops each expert's rows up to its balanced share for its observers (`ep_moe_infer`'s
+    `scores`, `spec.balanced_experts`), while each block's output is as ever."""
+    def keeper(ep: _BlockEP) -> Callable[..., None]:
+        def keep(gate: nn.Module, args: tuple, _out: object) -> None:
+            ep.scores = torch.nn.functional.linear(args[0].reshape(-1, gate.weight.shape[1]).float(),
+                                                   gate.weight.float())
+        return keep
+
+    blocks = [m for m in model.modules() if hasattr(m, _EP_ATTR)]
+    handles = [block.gate.register_forward_hook(keeper(getattr(block, _EP_ATTR))) for block in blocks]
+    for block in blocks:
+        getattr(block, _EP_ATTR).balanced = True
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block in blocks:
+            ep = getattr(block, _EP_ATTR)
+            ep.balanced, ep.scores = False, None
 
 
 @contextlib.contextmanager

@@ -158,6 +158,8 @@ class KimiLayout:
             return ep_patches.all_experts_compute(self.model)
         if self.expert_statistics == "affinity":  # spec.affinity_guided_experts: rows weighed by the router
             return ep_patches.experts_weigh_rows(self.model)
+        if self.expert_statistics == "balanced":  # spec.balanced_experts: each expert topped up to its share
+            return ep_patches.experts_balance_tokens(self.model)
         return contextlib.nullcontext()
 
     def is_rank_local(self, name: str) -> bool:
