@@ -34,8 +34,10 @@ RECIPES = PRACTICES / "recipes"
 
 
 def msmodelslim(*args: str, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", *args], check=True, capture_output=True,
-                          text=True, env=None if env is None else {**os.environ, **env})
+    done = subprocess.run([sys.executable, "-m", "msmodelslim.cli.main", *args], capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
+    if done.returncode:
+        raise SystemExit(f"msmodelslim {args[0]} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     return done.stdout
 
 
@@ -67,7 +69,7 @@ def measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     msmodelslim("quant", "--model_path", args.model, "--save_path", str(out), "--device", args.device,
                 "--model_type", args.model_type, "--config_path", str(practice), "--trust_remote_code", "True",
-                env={"MSMODELSLIM_STATS_FILE": str(stats_file)})
+                "--fresh", env={"MSMODELSLIM_STATS_FILE": str(stats_file)})  # a killed run's state: start over
     quant_s = time.perf_counter() - start
     stages = json.loads(Path(f"{stats_file}.rank0").read_text())  # seconds per runner stage and processor
     texts = {}

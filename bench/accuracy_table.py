@@ -35,6 +35,8 @@ ROWS = {
     "w4a8 (shipped)": ("practice", "kimi_linear_w4a8"),
     "w4a8 upstream's selection": ("practice", "kimi_linear_w4a8_upstream"),
     "w4a8 per group (0.26)": ("practice", "kimi_linear_w4a8_pergroup"),
+    "w4a8c8 (shipped)": ("practice", "kimi_linear_w4a8c8"),
+    "w4a8 MX (shipped, Ascend 950)": ("practice", "kimi_linear_w4a8_mxfp"),
     "w4a8 calibrate_all_experts": ("recipe", "calibrate_all_experts"),
     "w4a8 affinity_guided_experts": ("recipe", "affinity_guided_experts"),
     "w4a8 balanced_experts": ("recipe", "balanced_experts"),
