@@ -81,6 +81,9 @@ class Round:
         """What the target bounds: the perplexity delta (percent) or the KL."""
         return self.delta_pct if args.target_kl is None else float(self.kl)
 
+    def meets(self, args: TuneArgs) -> bool:
+        return self.measure(args) <= (args.target_ppl_delta if args.target_kl is None else args.target_kl)
+
 
 @dataclass
 class TuneResult:
@@ -185,7 +188,7 @@ def tune(args: TuneArgs) -> TuneResult:
                 logger.info("tune round %d: %s: perplexity %.4f -> %.4f (%+.2f%%), %s", index,
                             ", ".join(f"{n} linears {s}" for s, n in moved.items()) or "the practice as it is",
                             done.ppl_orig, done.ppl_quant, done.delta_pct, target)
-                if done.measure(args) <= (args.target_ppl_delta if args.target_kl is None else args.target_kl):
+                if done.meets(args):
                     result.reached = True
                     break
                 if index + 1 < args.max_rounds:

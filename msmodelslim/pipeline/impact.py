@@ -87,6 +87,11 @@ class ImpactProbe:
             groups.setdefault(self.group_of(self.adapter.checkpoint_name(unit, live)), []).append(live)
         self._groups = sorted(groups.items())
         self._sums = {}
+        return self.variants
+
+    @property
+    def variants(self) -> int:
+        """Forwards per probed sample of the unit in progress: float, processed, one per group (0: no group)."""
         return 2 + len(self._groups) if self._groups else 0
 
     def steps(self, steps: int) -> set[int] | None:
@@ -119,7 +124,7 @@ class ImpactProbe:
         """One sample: the float, the processed and each group-float unit forwarded (`forward()` gives the output
         of the unit as `module` is at the call); `counted`: its errors are summed (else forwarded only)."""
         if not counted:
-            for _ in range(2 + len(self._groups)):
+            for _ in range(self.variants):
                 forward()
             return
         passed_on = _tensor_ids(inputs)
