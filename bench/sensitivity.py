@@ -157,7 +157,7 @@ def fused_groups() -> dict[str, list[str]]:
     adapter = resolve_model_type("Kimi-Linear").load_adapter_class()(MINI)
     try:
         adapter.serve_on(profile("vllm-ascend-0.26" if ACT_DTYPE == "int8" else None))
-        return serving_groups(adapter.fused_groups())
+        return serving_groups(adapter.target.fused_groups(adapter))
     finally:
         adapter.close()
 

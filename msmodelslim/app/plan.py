@@ -170,9 +170,7 @@ def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, A
     the widest routed-expert input: below it the Hessian is rank-deficient (the run's log and report say how the
     real router spread them)."""
     widths = [lp.in_features for lp in plan.linears.values() if lp.rank_local and _method(plan, lp) == "gptq"]
-    config = getattr(adapter, "text_config", None)
-    experts = getattr(config, "num_experts", None)
-    top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok", None)
+    experts, top_k = adapter.facts.num_experts, adapter.facts.top_k
     if not widths or not experts or not top_k:
         return None
     every_token = adapter.expert_statistics == "all_tokens"  # spec.calibrate_all_experts
@@ -186,12 +184,12 @@ def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, A
 
 def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
     """From a benchmark of this device and layer size (plan_records.json), per decoder unit; else no estimate."""
-    text = adapter.text_config
-    experts_per_rank = int(getattr(text, "num_experts", 0) or 0) // world
+    facts = adapter.facts
+    experts_per_rank = facts.num_experts // world
     decoders = sum(u.kind in ("decoder", "mtp") for u in units)
     for record in json.loads(RECORDS_FILE.read_text(encoding="utf-8"))["records"]:
         if (record["device_type"], record["hidden_size"], record["experts_per_rank"]) == \
-                (device_type, int(text.hidden_size), experts_per_rank):
+                (device_type, facts.hidden_size, experts_per_rank):
             per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
             seconds = per_unit * decoders
             return {"seconds": round(seconds), "hours": round(seconds / 3600, 2), "record": record,
@@ -199,7 +197,7 @@ def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit]
                                f"tokens (the record: {record['seconds_fixed_per_decoder_unit']:g} s + "
                                f"{record['ms_per_token_per_decoder_unit']:g} ms per token, on {record['device']}; an "
                                f"upper bound)"}
-    return {"seconds": None, "note": f"no benchmark record for {device_type} with hidden size {text.hidden_size} "
+    return {"seconds": None, "note": f"no benchmark record for {device_type} with hidden size {facts.hidden_size} "
                                      f"and {experts_per_rank} experts per rank (plan_records.json)"}
 
 
@@ -228,8 +226,7 @@ def describe(plan: dict[str, Any]) -> str:
         lines.append(f"memory per rank, largest unit {mem['unit']}: device ~{_size(mem['device_bytes'])}, host "
                      f"~{_size(mem['host_bytes'])} ({mem['model']})")
         state = mem["host_state"]
-        parts = ["hidden states"] + ([f"{state['attn_res_blocks']} attention-residual blocks"]
-                                     if state["attn_res_blocks"] else []) + (["MTP inputs"] if state["mtp_inputs"] else [])
+        parts = state["state_parts"]
         lines.append(f"samples' state per rank, on the host: ~{_size(state['bytes'])} ({state['bytes_per_token']} "
                      f"bytes per token: {', '.join(parts)}; twice while a unit replaces it); in the temporary "
                      f"output, all ranks: up to ~{_size(state['disk_bytes'])} (the resumable state)")

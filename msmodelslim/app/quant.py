@@ -37,12 +37,12 @@ from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.files import disk_full_error
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import ResumableError, Terminated, UserError
+from msmodelslim.model.facts import ModelFacts
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
 from msmodelslim.processor.save.ascendv1_saver import consumer_files, missing_consumer_files
 from msmodelslim.serving.profiles import profile
 from msmodelslim.source.checkpoint import different_source, source_identity
-from msmodelslim.source.quant_scheme import text_part
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,8 @@ def _check_save_path(model_path: Path, save_path: Path) -> None:
 
 def _check_expert_split(model_path: Path, config: dict[str, Any], device: DeviceSpec) -> None:
     """Expert parallelism splits the routed experts evenly; refuse an uneven split before any process starts."""
-    num_experts = text_part(config).get("num_experts")
-    if device.world_size > 1 and isinstance(num_experts, int) and num_experts > 0 \
-            and num_experts % device.world_size:
+    num_experts = ModelFacts.from_config(config).num_experts
+    if device.world_size > 1 and num_experts and num_experts % device.world_size:
         raise UserError(
             f"{model_path / 'config.json'}: num_experts={num_experts} is not divisible by the "
             f"{device.world_size} devices of --device {device}; choose a device count that divides {num_experts}"

@@ -214,7 +214,7 @@ def _fused_groups_checking_the_text(plan: Any, args: TuneArgs) -> list[tuple[str
     adapter = plan.adapter_cls(plan.model_path, trust_remote_code=args.trust_remote_code)
     try:
         eval_windows(adapter, Path(args.dataset), args.seq_len, args.max_windows)
-        return adapter.fused_groups()
+        return adapter.target.fused_groups(adapter)
     finally:
         adapter.close()
 

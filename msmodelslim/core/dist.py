@@ -142,7 +142,7 @@ SINGLE = DistContext()
 
 
 # The rank whose tokens the code in progress computes on: an expert under expert parallelism computes on every
-# rank's tokens, one rank's block at a time (model/kimi_k3/ep_patches.py); None: this rank's own.
+# rank's tokens, one rank's block at a time (model/common/expert_parallel.py); None: this rank's own.
 _TOKEN_SOURCE: ContextVar[int | None] = ContextVar("token_source", default=None)
 
 

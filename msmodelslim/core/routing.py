@@ -2,7 +2,7 @@
 
 MoEQuant's affinity-guided GPTQ (`spec.affinity_guided_experts`): a routed expert's Hessian weighs each token by the
 router's weight for that expert, sum_t w_t x_t x_t^T, so the tokens the router sends it with conviction shape its
-quantization more than those it barely chose. The MoE forward (model/kimi_k3/ep_patches.py) says, around an
+quantization more than those it barely chose. The MoE forward (model/common/expert_parallel.py) says, around an
 expert's call, which weight each of its rows has; the Hessian statistic (pipeline/statistics.py) reads it. Nothing
 else changes: the expert's output, its ranges and the quant report see the rows as they are.
 """

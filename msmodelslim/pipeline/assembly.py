@@ -51,7 +51,7 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
     schemes = plan.schemes
     for processor in processors:
         processor.preflight(adapter, schemes)
-    check_plan(plan, adapter)
+    check_plan(plan, adapter.target, adapter)
     report_native_mxfp4(processors, plan, adapter)
     if label is not None:
         check_label(label, set(schemes.values()), bool(spec.fallback))
@@ -85,15 +85,11 @@ def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> 
     replace its inputs both are held, but they share what the unit passes through untouched (`HostCopies`: all but
     the new hidden state). It grows with the calibration tokens; past the rank's budget the runner keeps it on disk
     (pipeline/spill.py)."""
-    text = adapter.text_config
-    units = adapter.units()
-    block = getattr(text, "attn_res_block_size", None)
-    blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
-    mtp = any(u.kind == "mtp" for u in units)
-    hidden = int(text.hidden_size) * adapter.dtype.itemsize
-    per_token = (1 + blocks + int(mtp)) * hidden + 8
+    facts = adapter.facts
+    hidden = facts.hidden_size * facts.dtype_bytes
+    per_token = facts.state_bytes_per_token
     return {"bytes_per_token": per_token, "bytes": (per_token + hidden) * math.ceil(tokens / world),
-            "attn_res_blocks": blocks, "mtp_inputs": mtp,
+            "state_parts": list(facts.state_parts),
             # on the save path's disk, all ranks, spilled or not: the files are incremental (pipeline/resume.py,
             # spill.py), so a decoder unit's files hold its new hidden state and refer to the earlier files for the
             # rest. Live are the last KEEP kept units, one more being written, the units since the last kept one

@@ -76,7 +76,8 @@ class ImpactProbe:
     def group_of(self, name: str) -> str:
         """The serving group of a checkpoint name: its fused layer, or itself."""
         if self._group_of is None:
-            self._group_of = {shard: fused for fused, shards in self.adapter.fused_groups() for shard in shards}
+            self._group_of = {shard: fused for fused, shards in self.adapter.target.fused_groups(self.adapter)
+                              for shard in shards}
         return self._group_of.get(name, name)
 
     def start(self, unit: Unit) -> int:

@@ -46,7 +46,7 @@ _DEFAULT_QCONFIG = {
 
 
 def serving_groups(fused: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
-    """Linear -> the members of the fused serving layer it is in, of `adapter.fused_groups()` (linears in no group
+    """Linear -> the members of the fused serving layer it is in, of the serving target's `fused_groups` (linears in no group
     are absent)."""
     return {shard: shards for _, shards in fused for shard in shards}
 
@@ -118,7 +118,7 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
         return processors
     planned = planned_configs(processors, adapter)
     quantized = sorted(name for name, cfg in planned.items() if cfg is not None)
-    fused = adapter.fused_groups()
+    fused = adapter.target.fused_groups(adapter)
     groups = serving_groups(fused)
     quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]
     to_float: list[str] = []

@@ -217,9 +217,9 @@ class LinearQuantProcessor(Processor):
         """Count the linears the globs select on the model's skeleton; selecting none is an error (the practice
         would run for hours and write a FLOAT model)."""
         cfg = self.config
-        linears = adapter.linear_names()
-        names = [name for _, name in linears]
-        matched = sum(select(name, unit.kind, cfg.include, cfg.exclude) for unit, name in linears)
+        linears = adapter.linears()
+        names = [lin.name for lin in linears]
+        matched = sum(select(lin.name, lin.unit.kind, cfg.include, cfg.exclude) for lin in linears)
         if not matched:
             example = names[len(names) // 2] if names else "(none)"
             raise UserError(f"linear_quant ({cfg.scheme.name}): include {shown(cfg.include, 200)} exclude "

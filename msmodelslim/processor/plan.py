@@ -18,8 +18,8 @@ def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, Line
     """Serving name -> the linear_quant entry that will quantize each linear of the model: the first one (in YAML
     order) selecting it, as process_unit applies them, or None (FLOAT)."""
     quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
-    return {name: next((q for q in quantizers if select(name, unit.kind, q.include, q.exclude)), None)
-            for unit, name in adapter.linear_names()}
+    return {lin.name: next((q for q in quantizers if select(lin.name, lin.unit.kind, q.include, q.exclude)), None)
+            for lin in adapter.linears()}
 
 
 def linear_plan(processors: list[Processor], adapter: Any) -> LinearPlan:
@@ -29,12 +29,10 @@ def linear_plan(processors: list[Processor], adapter: Any) -> LinearPlan:
     entries = tuple(PlanEntry(cfg.scheme.name, cfg.qconfig.weight.method, cfg.qconfig.weight.group_size or 0,
                               tuple(cfg.include), tuple(cfg.exclude)) for cfg in quantizers)
     planned = planned_configs(processors, adapter)
-    widths = adapter.linear_in_features()
-    outs = adapter.linear_out_features()
-    linears = {name: PlannedLinear(name, unit.name, unit.kind, widths[name], outs[name],
-                                   None if planned[name] is None else index[id(planned[name])],
-                                   bool(adapter.is_rank_local(name)))
-               for unit, name in adapter.linear_names()}
+    linears = {lin.name: PlannedLinear(lin.name, lin.unit.name, lin.unit.kind, lin.in_features, lin.out_features,
+                                       None if planned[lin.name] is None else index[id(planned[lin.name])],
+                                       bool(adapter.is_rank_local(lin.name)))
+               for lin in adapter.linears()}
     return LinearPlan(entries, linears)
 
 

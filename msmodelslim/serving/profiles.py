@@ -14,8 +14,10 @@ refuses at load. Each rule carries where it was read (docs/dev/facts/vllm_ascend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from msmodelslim.errors import UserError
+from msmodelslim.serving.fused import fused_groups
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,20 @@ class Profile:
     def layouts_for(self, model_type: str | None) -> tuple[str, ...]:
         """The serving layouts of `model_type` (none known: nothing fused)."""
         return self.layouts.get(model_type or "", ())
+
+    def fused_groups(self, model: Any) -> list[tuple[str, list[str]]]:
+        """(fused layer name, serving names of its shards) of `model` (a ModelStructure): linears this engine runs
+        as one layer with one quantization scheme (a split it accepts aside). Empty when it fuses nothing."""
+        return self._groups(model, lookup_keys=False)
+
+    def lookup_groups(self, model: Any) -> list[tuple[str, list[str]]]:
+        """The fused groups of `model` the description names (`<fused layer>.weight`) for lookups that find them in
+        no packed table of the engine's model class."""
+        return self._groups(model, lookup_keys=True)
+
+    def _groups(self, model: Any, lookup_keys: bool) -> list[tuple[str, list[str]]]:
+        layouts = self.layouts_for(model.serving_model_type())
+        return fused_groups([linear.name for linear in model.linears()], layouts, lookup_keys) if layouts else []
 
 
 _V026 = "vllm-ascend releases/v0.26.0rc@cf0baa38"

@@ -26,10 +26,9 @@ _MX = tuple(name for name, scheme in SCHEMES.items() if scheme.is_mx)
 Groups = list[tuple[str, list[str]]]
 
 
-def check_plan(plan: LinearPlan, adapter: Any) -> None:
-    """Every rule of the adapter's serving target (`adapter.target`) on `plan`: UserError at the first broken,
+def check_plan(plan: LinearPlan, target: Profile, adapter: Any) -> None:
+    """Every rule of the serving target `target` on `plan` (of the model `adapter`): UserError at the first broken,
     naming the targets that load the plan."""
-    target = adapter.target
     refused = refusal(target, plan, adapter)
     if refused is not None:
         loading = [p.name for p in PROFILES.values() if p is not target and refusal(p, plan, adapter) is None]

@@ -145,9 +145,9 @@ def test_shipped_k3_practices_give_every_fused_serving_layer_one_scheme(practice
     with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
         processors = [step.build() for step in spec.process]
         linears = linear_plan(processors, adapter)
-        check_plan(linears, adapter)
+        check_plan(linears, adapter.target, adapter)
         plan = linears.schemes
-        groups = dict(adapter.fused_groups())
+        groups = dict(adapter.target.fused_groups(adapter))
     w8 = "W8A8_MXFP8" if practice.endswith("mxfp") else "W8A8_DYNAMIC"
     kda = next(g for g in groups if g.endswith("in_proj_qkvgfab"))
     assert {plan[s] for s in groups[kda]} == {w8} and len(groups[kda]) == 6  # q k v g b f_a

@@ -9,7 +9,7 @@ import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as native
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
-from msmodelslim.model.common.utils import resolve_expert_ep_range
+from msmodelslim.model.common.expert_parallel import resolve_expert_ep_range
 from msmodelslim.model.kimi_k3.ep_patches import apply_ep_patches
 
 
@@ -64,7 +64,7 @@ def test_routed_dispatch_equals_a_per_expert_scan_bit_for_bit_and_skips_unrouted
     """Reference: the plain per-expert scan (nonzero over the routing table), computed here. Tolerance: none, the
     dispatch must hand each expert the same rows in the same order. A -1 slot (no expert) contributes nothing."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
 
     torch.manual_seed(0)
     experts = torch.nn.ModuleDict({str(e): torch.nn.Linear(16, 16, bias=False) for e in (0, 2, 3, 5)})
@@ -88,7 +88,7 @@ def test_calibrating_all_experts_feeds_every_expert_every_token_and_keeps_the_ro
     patched = copy.deepcopy(moe)
     apply_ep_patches(patched, config)
     _load_fused_into_per_expert(moe, patched)
-    from msmodelslim.model.kimi_k3.ep_patches import all_experts_compute
+    from msmodelslim.model.common.expert_parallel import all_experts_compute
 
     x = torch.randn(2, 7, 64)
     seen = {key: 0 for key in patched.experts}
@@ -155,15 +155,15 @@ def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind):
     """A rank's experts run as one group (one gather, one activation, each input quantized per token once, one
     scatter). Reference: each expert called on its rows; tolerance: none (every row's arithmetic is the same)."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3 import ep_patches
+    from msmodelslim.model.common import expert_parallel
 
     experts = _expert_block(kind)
     x, idx, w = _routing()
     groups = []
-    original = ep_patches._grouped_experts
+    original = expert_parallel._grouped_experts
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ep_patches, "_grouped_experts", lambda *a: groups.append(1) or original(*a))
-        grouped = ep_patches.ep_moe_infer(experts, x, idx, w, SINGLE)
+        mp.setattr(expert_parallel, "_grouped_experts", lambda *a: groups.append(1) or original(*a))
+        grouped = expert_parallel.ep_moe_infer(experts, x, idx, w, SINGLE)
         assert groups, "the grouped path was not taken"
         assert torch.equal(grouped, _expert_by_expert(experts, x, idx, w))
 
@@ -172,7 +172,7 @@ def test_grouped_experts_fill_the_quant_report_as_each_expert_would():
     """The report's InputSums of every expert after a grouped forward equal those of calling each expert on its rows
     (bit for bit: the same rows, the same float32 reductions per expert)."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
     from msmodelslim.quant.sensitivity import InputSums
 
     x, idx, w = _routing()
@@ -195,7 +195,7 @@ def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and
     """Statistics hooks see, per expert, the rows it would be called on (w1 and w3 the very same tensor, which is how
     readers of one input share a Hessian); an expert with a hook of its own is called as a module."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
 
     experts = _expert_block("float")
     x, idx, w = _routing()
@@ -224,7 +224,7 @@ def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
     """`spec.fallback` can leave one expert's linear FLOAT and give another W8A8 among W4A8 experts: the group mixes
     module calls with shared per-token quantization. Reference: each expert called on its rows; tolerance: none."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
     from msmodelslim.quant.modules import QuantLinear
 
     experts = _expert_block("w4a8")
@@ -244,7 +244,7 @@ def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights
     from msmodelslim.core.dist import SINGLE
     from msmodelslim.core.requests import Observe
     from msmodelslim.model.base import Unit
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer, experts_weigh_rows
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer, experts_weigh_rows
     from msmodelslim.pipeline.answers import observe
     from msmodelslim.processor.base import UnitContext
 
@@ -290,7 +290,7 @@ def test_balanced_experts_top_each_expert_up_to_its_share_with_its_highest_score
     expert's w1 receives against the routing table and a descending sort of the logits (exact); the output against
     the dispatch without scores (bf16 tolerances: a row of a matmul over more rows may round differently)."""
     from msmodelslim.core.dist import SINGLE
-    from msmodelslim.model.kimi_k3.ep_patches import ep_moe_infer
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
 
     experts = _expert_block("float")
     x, idx, w = _routing()

@@ -22,8 +22,9 @@ from torch import nn
 from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.model.common.expert_parallel import resolve_expert_ep_range
 from msmodelslim.model.common.hf_checkpoint import HFCheckpoint
-from msmodelslim.model.common.utils import resolve_expert_ep_range
+from msmodelslim.model.facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,16 @@ class HFModelAdapter(ModelAdapter):
     def patches(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """The run-time patches of the model's own classes, as one context (none by default)."""
         return contextlib.nullcontext()
+
+    def carried_state(self) -> tuple[int, tuple[str, ...]]:
+        """[hidden] tensors per token the samples' state carries between units, and what they are in words (the
+        hidden state alone unless the family passes more along)."""
+        return 1, ("hidden states",)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """From config.json as read once (`HFCheckpoint.view`), with the units left in the run."""
+        return ModelFacts.from_config(self.checkpoint.view.raw, self.dtype.itemsize, *self.carried_state())
 
     def expert_range(self, num_experts: int) -> range:
         """The routed experts this rank holds under expert parallelism."""

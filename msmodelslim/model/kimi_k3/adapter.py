@@ -120,6 +120,17 @@ class KimiK3ModelAdapter(HFModelAdapter):
     def patches(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return kimi_patches(model, self.dist, self.torch_kernels_on_cuda)
 
+    def carried_state(self) -> tuple[int, tuple[str, ...]]:
+        """The hidden state, the attention-residual blocks finished at the deepest decoder unit and, with MTP layers
+        in the run, their input embeddings."""
+        block = getattr(self.text_config, "attn_res_block_size", None)
+        units = self.units()
+        blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
+        mtp = any(u.kind == "mtp" for u in units)
+        parts = ("hidden states", *([f"{blocks} attention-residual blocks"] if blocks else []),
+                 *(["MTP inputs"] if mtp else []))
+        return 1 + blocks + int(mtp), parts
+
     @property
     def is_multimodal(self) -> bool:
         return self.layout.is_multimodal

@@ -18,6 +18,7 @@ from torch import nn
 
 from msmodelslim.core.routing import ExpertStatistics
 from msmodelslim.model.base import Unit
+from msmodelslim.model.common import expert_parallel
 from msmodelslim.model.kimi_k3 import ep_patches, fa3
 
 EXPERT_RE = re.compile(r"(?<!shared_)experts\.(\d+)\.")
@@ -153,13 +154,13 @@ class KimiLayout:
 
     def statistics_pass(self) -> contextlib.AbstractContextManager[Any]:
         """Around each statistics pass: with "all_tokens" (spec.calibrate_all_experts) every local routed
-        expert computes on every token (ep_patches.all_experts_compute)."""
+        expert computes on every token (expert_parallel.all_experts_compute)."""
         if self.expert_statistics == "all_tokens":
-            return ep_patches.all_experts_compute(self.model)
+            return expert_parallel.all_experts_compute(self.model)
         if self.expert_statistics == "affinity":  # spec.affinity_guided_experts: rows weighed by the router
-            return ep_patches.experts_weigh_rows(self.model)
+            return expert_parallel.experts_weigh_rows(self.model)
         if self.expert_statistics == "balanced":  # spec.balanced_experts: each expert topped up to its share
-            return ep_patches.experts_balance_tokens(self.model)
+            return expert_parallel.experts_balance_tokens(self.model)
         return contextlib.nullcontext()
 
     def is_rank_local(self, name: str) -> bool:
@@ -271,4 +272,4 @@ class KimiLayout:
         """Take part in the unit's expert-parallel collectives without a sample."""
         for block in module.modules():
             if ep_patches.is_moe_block(block):
-                ep_patches.ep_idle(block)
+                expert_parallel.ep_idle(block)

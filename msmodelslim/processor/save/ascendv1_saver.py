@@ -273,7 +273,7 @@ class AscendV1Saver(Saver):
         self._limit = int(config.part_file_size * GIB)
         self._default_float = _FLOAT_DTYPES[config.float_dtype]
         self._source_dtypes = source_float_dtypes(adapter)
-        self._fused_groups = adapter.lookup_groups()
+        self._fused_groups = adapter.target.lookup_groups(adapter)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
