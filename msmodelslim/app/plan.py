@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from msmodelslim.model.base import Unit
+from msmodelslim.model.facts import ModelFacts
 from msmodelslim.pipeline.assembly import host_state
 from msmodelslim.quant.gptq import GPTQ_BATCH_BYTES
 from msmodelslim.serving.linear_plan import LinearPlan, PlannedLinear
@@ -124,7 +125,7 @@ def build_plan(adapter: Any, plan: LinearPlan, save_config: Any, world: int, dev
         "memory_per_rank": memory,
         "calibration": {"samples": samples, "tokens": tokens, "ranks": world,
                         "expert_coverage": _expert_coverage(adapter, plan, tokens)},
-        "time": _time_estimate(adapter, device_type, world, units, tokens),
+        "time": _time_estimate(adapter.facts, device_type, world, units, tokens),
     }
 
 
@@ -182,9 +183,8 @@ def _expert_coverage(adapter: Any, plan: LinearPlan, tokens: int) -> dict[str, A
             "full_rank": per_expert >= width}
 
 
-def _time_estimate(adapter: Any, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
+def _time_estimate(facts: ModelFacts, device_type: str, world: int, units: list[Unit], tokens: int) -> dict[str, Any]:
     """From a benchmark of this device and layer size (plan_records.json), per decoder unit; else no estimate."""
-    facts = adapter.facts
     experts_per_rank = facts.num_experts // world
     decoders = sum(u.kind in ("decoder", "mtp") for u in units)
     for record in json.loads(RECORDS_FILE.read_text(encoding="utf-8"))["records"]:

@@ -172,7 +172,9 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
                 break
         carried = sum(t.numel() * t.element_size() for t in _tensors(state))
         estimate = host_state(adapter, tokens, world=2)
-    assert estimate["attn_res_blocks"] == len(state["attn_res_blocks"]) > 0 and estimate["mtp_inputs"]
+    assert len(state["attn_res_blocks"]) > 0
+    assert f"{len(state['attn_res_blocks'])} attention-residual blocks" in estimate["state_parts"]
+    assert "MTP inputs" in estimate["state_parts"]
     assert estimate["bytes_per_token"] * tokens == carried
     hidden = state["hidden_states"].numel() // tokens * state["hidden_states"].element_size()
     assert estimate["bytes"] == (estimate["bytes_per_token"] + hidden) * (tokens // 2)  # per rank, in a unit
@@ -211,20 +213,20 @@ def test_the_time_estimate_is_the_records_fixed_cost_plus_its_cost_per_token_per
     the record's fixed seconds plus its milliseconds per calibration token times the run's tokens (reference: the
     record in plan_records.json, computed here); other units cost nothing; 4x the tokens costs more. No match: no
     number."""
-    from types import SimpleNamespace
 
     from msmodelslim.app.plan import RECORDS_FILE, _time_estimate
     from msmodelslim.model.base import Unit
+    from msmodelslim.model.facts import ModelFacts
 
     record = json.loads(RECORDS_FILE.read_text())["records"][0]
-    adapter = SimpleNamespace(text_config=SimpleNamespace(hidden_size=record["hidden_size"],
-                                                          num_experts=8 * record["experts_per_rank"]))
+    facts = ModelFacts(hidden_size=record["hidden_size"], num_experts=8 * record["experts_per_rank"], top_k=16,
+                       dtype_bytes=2)
     units = [Unit(name="embed", kind="embed", prefix="", index=0)] + \
         [Unit(name=f"layers.{i}", kind="decoder", prefix="", index=i + 1) for i in range(3)] + \
         [Unit(name="layers.3", kind="mtp", prefix="", index=4)]
     tokens = 262144
-    got = _time_estimate(adapter, record["device_type"], 8, units, tokens)
+    got = _time_estimate(facts, record["device_type"], 8, units, tokens)
     per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
     assert got["seconds"] == round(4 * per_unit)
-    assert _time_estimate(adapter, record["device_type"], 8, units, 4 * tokens)["seconds"] > got["seconds"]
-    assert _time_estimate(adapter, "npu", 8, units, tokens)["seconds"] is None
+    assert _time_estimate(facts, record["device_type"], 8, units, 4 * tokens)["seconds"] > got["seconds"]
+    assert _time_estimate(facts, "npu", 8, units, tokens)["seconds"] is None

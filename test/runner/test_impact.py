@@ -35,12 +35,18 @@ class Block(nn.Module):
         return {"h": h + self.b(F.gelu(self.a(h))) + self.c(h), "carried": state["carried"]}
 
 
+class ToyTarget:
+    """A serving target that runs toy.a and toy.b as one layer."""
+
+    def fused_groups(self, model: object) -> list[tuple[str, list[str]]]:
+        return [("toy.ab", ["toy.a", "toy.b"])]
+
+
 class ToyAdapter:
+    target = ToyTarget()
+
     def checkpoint_name(self, unit: Unit, live_name: str) -> str:
         return unit.prefix + live_name
-
-    def fused_groups(self) -> list[tuple[str, list[str]]]:
-        return [("toy.ab", ["toy.a", "toy.b"])]
 
 
 def quantized(block: Block, names: list[str]) -> Block:
