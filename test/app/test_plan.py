@@ -213,7 +213,6 @@ def test_the_time_estimate_is_the_records_fixed_cost_plus_its_cost_per_token_per
     the record's fixed seconds plus its milliseconds per calibration token times the run's tokens (reference: the
     record in plan_records.json, computed here); other units cost nothing; 4x the tokens costs more. No match: no
     number."""
-
     from msmodelslim.app.plan import RECORDS_FILE, _time_estimate
     from msmodelslim.model.base import Unit
     from msmodelslim.model.facts import ModelFacts
