@@ -98,7 +98,7 @@ def main() -> None:
     run = timed(python + quant_cmd(model, full, args.device, practice), watch=work / ".full.partial" / "resume",
                 stats=stats)
     ranks = [json.loads(Path(f"{stats}.rank{r}").read_text()) for r in range(world)]
-    keep_s = max(r.get("resume_state", 0.0) for r in ranks)
+    keep_s = max(r.get("resume_state", 0.0) + r.get("resume_flush", 0.0) for r in ranks)
     runner_s = max(r["runner_wall"] for r in ranks)
     result.update(full_run_wall_s=round(run["wall_s"], 1), runner_s=round(runner_s, 1), keep_state_s=round(keep_s, 2),
                   keep_state_share=round(keep_s / runner_s, 4),
