@@ -45,9 +45,9 @@ def prepare_run(adapter: ModelAdapter, records: list[Any], spec: Any, world: int
         logger.info("spec.mtp: drop: the MTP layers are left out of the run and of the output")
     samples = micro_batches(adapter.prepare_samples(records, max_seq_len=spec.max_seq_len), spec.micro_batch_tokens)
     check_host_memory(adapter, sum(map(sample_tokens, samples)), world or adapter.dist.world_size, spec.resume_every)
-    processors = apply_fallback([step.build() for step in spec.process], [*spec.fallback, *_mtp_fallback(adapter, spec)],
-                                adapter)
-    plan = linear_plan(processors, adapter)  # walked once: at Kimi-K3 scale there are ~10^5 linears
+    processors = [step.build() for step in spec.process]
+    fallback = apply_fallback(processors, [*spec.fallback, *_mtp_fallback(adapter, spec)], adapter)
+    plan = linear_plan(processors, adapter, fallback)  # walked once: at Kimi-K3 scale there are ~10^5 linears
     schemes = plan.schemes
     for processor in processors:
         processor.preflight(adapter, schemes)

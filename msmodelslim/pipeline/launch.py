@@ -192,7 +192,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         if world > 1 and torchrun is None:
             _init_process_group(request.device.backend, rank, world, device, meet)
         adapter = request.adapter_cls(request.model_path, trust_remote_code=request.trust_remote_code, dist=dist)
-        samples, processors, _ = prepare_run(adapter, records, spec, label=request.practice.metadata.label)
+        samples, processors, plan = prepare_run(adapter, records, spec, label=request.practice.metadata.label)
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]
@@ -211,7 +211,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
                            host_budget(torchrun.local_world_size if torchrun else world))
         profiler = pass_profiler(device)
         hooks = service_hooks(savers, report, resume, request.resume_after, spec.resume_every, spill, profiler)
-        runner = LayerWiseRunner(adapter, processors, hooks, dist, Schedule(steps, place_tokens(samples)), background)
+        runner = LayerWiseRunner(adapter, processors, hooks, dist, Schedule(steps, place_tokens(samples), plan),
+                                 background)
         start = time.perf_counter()
         checked: dict[str, int] = {}
         with ascend_check.run_checked(device, request.ascend_check, checked):

@@ -48,6 +48,7 @@ from msmodelslim.pipeline.hooks import UnitHook
 from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.spill import map_state
 from msmodelslim.processor.base import OutputExtras, Processor
+from msmodelslim.serving.linear_plan import LinearPlan
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,15 @@ class RunStats:
 
 @dataclass(frozen=True)
 class Schedule:
-    """How this rank's samples line up with the others': `steps` lock-step sample slots (ranks with fewer samples
-    idle through the collectives; None: one per sample), and the calibration tokens of each place of the global
-    dealing order (`assembly.place_tokens`), from which a capped statistics pass picks its samples (None: such a
-    pass sees every sample)."""
+    """What the run does when: `steps` lock-step sample slots (ranks with fewer samples idle through the
+    collectives; None: one per sample), the calibration tokens of each place of the global dealing order
+    (`assembly.place_tokens`), from which a capped statistics pass picks its samples (None: such a pass sees every
+    sample), and the run's linear plan (serving/linear_plan.py), which each unit's context carries to the processors
+    (None: each linear_quant selects by its own globs, as a processor run alone does)."""
 
     steps: int | None = None
     place_tokens: Sequence[int] | None = None
+    plan: LinearPlan | None = None
 
 
 class LayerWiseRunner:
@@ -247,7 +250,8 @@ class LayerWiseRunner:
                           run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
                           observing=lambda: observed_now(self._observed, self._step, self.dist),
                           within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist),
-                          keep_replaced=next((h.keep_replaced for h in self.hooks if h.keep_replaced), None))
+                          keep_replaced=next((h.keep_replaced for h in self.hooks if h.keep_replaced), None),
+                          plan=self.schedule.plan)
         carried = Carried()  # Hessians a pass gathered for a later processor of this unit
         for k, processor in enumerate(self.processors):
             self._pass_kind = processor.name

@@ -14,6 +14,7 @@ from msmodelslim.core.config import SchemaError, StrictConfig
 from msmodelslim.core.dist import DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.processor.globs import check_globs
+from msmodelslim.serving.linear_plan import LinearPlan
 
 
 @dataclass
@@ -36,6 +37,9 @@ class UnitContext:
     # Where a processor that replaces a linear by its quantized form hands over the float one (live name, module),
     # when a service of the runner reads it later in the unit (the quant report's impact); None: none does.
     keep_replaced: Callable[[str, nn.Module], None] | None = None
+    # The run's linear plan (serving/linear_plan.py): what linear_quant does to each linear; None for a processor run
+    # on its own (tests, benchmarks), which then selects by its own globs.
+    plan: LinearPlan | None = None
 
     @property
     def device(self) -> torch.device:

@@ -5,9 +5,12 @@ quantize again) needs a way to say "these linears, not as the practice says". Ea
 linears (core/config.py `FallbackConfig`: globs, a names file, or the top k of a quant report) and a target:
 
 - `FLOAT`: the linears are excluded from every linear_quant entry;
-- `W8A8_DYNAMIC` / `W8A8_MXFP8`: a linear_quant entry of that scheme selecting exactly them runs before the
-  practice's own (the first matching entry wins). It takes the qconfig of the practice's first entry of that scheme,
-  else min/max activations with ssz (integer) or min/max (MX) weights.
+- `W8A8_DYNAMIC` / `W8A8_MXFP8`: an entry of the run's linear plan of that scheme selecting exactly them comes
+  before the practice's own (the first matching entry wins), run by the practice's first linear_quant (no processor
+  of its own). It takes the qconfig of the practice's first entry of that scheme, else min/max activations with ssz
+  (integer) or min/max (MX) weights.
+
+The result is data for the plan (processor/plan.py `Fallback`); the practice's processors are not changed.
 
 Only linears the practice quantizes move; a glob that reaches none of them is an error. The serving engine runs a
 fused group (q/k/v, gate/up, a layer's routed experts) as one layer with one scheme, so a member moves its whole
@@ -21,7 +24,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from dataclasses import replace
 from typing import Any
 
 from msmodelslim.core.config import FallbackConfig
@@ -34,7 +36,7 @@ from msmodelslim.processor.linear_quant import (
     QConfig,
     WeightQConfig,
 )
-from msmodelslim.processor.plan import planned_configs
+from msmodelslim.processor.plan import Fallback, linear_plan, planned_configs
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +113,10 @@ def with_groups(chosen: set[str], fused: list[tuple[str, list[str]]]) -> list[st
     return sorted(globs | (chosen - grouped))
 
 
-def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter: Any) -> list[Any]:
-    """The practice's processors with `entries` applied (module docstring); the processors themselves are new where
-    they change, so the practice's configs stay as they were read."""
+def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter: Any) -> Fallback:
+    """What `entries` change in the run's linear plan (module docstring), for `linear_plan`."""
     if not entries:
-        return processors
+        return Fallback()
     planned = planned_configs(processors, adapter)
     quantized = sorted(name for name, cfg in planned.items() if cfg is not None)
     fused = adapter.target.fused_groups(adapter)
@@ -133,17 +134,15 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
             to_float += globs
         else:
             higher.append((entry.to, globs))
-    out = [LinearQuantProcessor(replace(p.config, exclude=p.config.exclude + to_float))
-           if to_float and isinstance(p, LinearQuantProcessor) else p for p in processors]
-    if to_float:  # an entry all of whose linears fell back to FLOAT goes; the label check says what the output lost
-        kept = set(map(id, planned_configs(out, adapter).values()))
-        for p in [p for p in out if isinstance(p, LinearQuantProcessor) and id(p.config) not in kept]:
-            logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it goes",
-                        p.config.scheme.name)
-            out.remove(p)
-    first = next((i for i, p in enumerate(out) if isinstance(p, LinearQuantProcessor)), len(out))
-    # the fallback entries run before the practice's own: the first matching entry wins
-    out[first:first] = [LinearQuantProcessor(LinearQuantConfig(
+    fallback = Fallback(to_float, [LinearQuantConfig(
         qconfig=next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)
-        or _DEFAULT_QCONFIG[scheme], include=globs, exclude=to_float)) for scheme, globs in higher]
-    return out
+        or _DEFAULT_QCONFIG[scheme], include=globs, exclude=to_float) for scheme, globs in higher])
+    if to_float:  # an entry all of whose linears fell back to FLOAT quantizes nothing; the label check says what the
+        # output lost
+        plan = linear_plan(processors, adapter, fallback)
+        used = {linear.entry for linear in plan.linears.values()}
+        for index, planned_entry in enumerate(plan.entries):
+            if index >= len(fallback.higher) and index not in used:
+                logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it "
+                            "quantizes nothing", planned_entry.scheme)
+    return fallback

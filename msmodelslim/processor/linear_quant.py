@@ -228,49 +228,67 @@ class LinearQuantProcessor(Processor):
         logger.info("linear_quant %s: include %s exclude %s selects %d of %d linears", cfg.scheme.name,
                     shown(cfg.include, 200), shown(cfg.exclude, 200), matched, len(names))
 
-    def _selected(self, ctx: UnitContext) -> dict[str, nn.Linear]:
-        """This entry's linears of the unit as it is now (live name -> module)."""
-        cfg = self.config
-        linears = {}
-        for live_name, mod in ctx.module.named_modules():
-            if not live_name or not isinstance(mod, nn.Linear):  # the unit root itself cannot be swapped in place
-                continue
-            if select(ctx.adapter.checkpoint_name(ctx.unit, live_name), ctx.unit.kind, cfg.include, cfg.exclude):
-                linears[live_name] = mod
-        return linears
+    def _work(self, ctx: UnitContext) -> list[tuple[LinearQuantConfig, dict[str, nn.Linear]]]:
+        """(config, its linears of the unit as it is now: live name -> module) of each plan entry this processor runs,
+        in plan order (the run's W8A8 fallback entries, run by the practice's first linear_quant, come first). Without
+        a plan (a processor run on its own) its own entry, selected by its globs."""
+        plan = ctx.plan
+        names = {live_name: ctx.adapter.checkpoint_name(ctx.unit, live_name)
+                 for live_name, mod in ctx.module.named_modules()
+                 if live_name and isinstance(mod, nn.Linear)}  # the unit root itself cannot be swapped in place
+        if plan is None:
+            cfg = self.config
+            return [(cfg, {live: ctx.module.get_submodule(live) for live, name in names.items()
+                           if select(name, ctx.unit.kind, cfg.include, cfg.exclude)})]
+        entries = plan.entries_run_by(self.config)
+        work = {index: (plan.entries[index].config, {}) for index in entries}
+        for live, name in names.items():
+            planned = plan.linears.get(name)
+            if planned is not None and planned.entry in work:
+                work[planned.entry][1][live] = ctx.module.get_submodule(live)
+        return [work[index] for index in entries]
 
     def hessians(self, ctx: UnitContext) -> tuple[str, ...]:
-        """GPTQ's Hessians: every linear of this entry (one that turns out to keep its checkpoint bytes asks for
-        none, and the runner frees one gathered for it)."""
-        return tuple(self._selected(ctx)) if self.config.qconfig.weight.method == "gptq" else ()
+        """GPTQ's Hessians: every linear of this processor's GPTQ entries (one that turns out to keep its checkpoint
+        bytes asks for none, and the runner frees one gathered for it)."""
+        return tuple(name for cfg, linears in self._work(ctx) if cfg.qconfig.weight.method == "gptq"
+                     for name in linears)
 
     def changes(self, ctx: UnitContext) -> Changes:
-        return Changes(weights=frozenset(self._selected(ctx)))
+        return Changes(weights=frozenset(name for _, linears in self._work(ctx) for name in linears))
 
     @property
     def true_sequential(self) -> bool:
         return self.config.true_sequential
 
     def process_unit(self, ctx: UnitContext) -> Any:
-        cfg = self.config
-        scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
-        linears = self._selected(ctx)
-        if not linears:
+        work = [(cfg, linears) for cfg, linears in self._work(ctx) if linears]
+        if not work:
             return
-        native = self._native_mxfp4(ctx, linears)
+        native = [self._native_mxfp4(ctx, cfg, linears) for cfg, linears in work]  # (taken out of `linears`)
         hessians: dict[str, torch.Tensor] = {}
         tokens: dict[str, int] = {}
-        if weight_cfg.method == "gptq":  # every rank asks, also one whose linears all kept their bytes
-            stats = yield Observe(hessian=tuple(linears))
+        if any(cfg.qconfig.weight.method == "gptq" for cfg, _ in work):  # every rank asks, also one whose linears
+            # all kept their bytes; one request for every entry it runs: one pass gathers them all
+            stats = yield Observe(hessian=tuple(n for cfg, linears in work if cfg.qconfig.weight.method == "gptq"
+                                                for n in linears))
             hessians, tokens = stats.hessian, stats.tokens
             _check_finite_hessians(ctx, hessians)
-            _log_expert_coverage(ctx, linears, tokens)
+            _log_expert_coverage(ctx, {n: m for _, linears in work for n, m in linears.items()}, tokens)
             hessians = _parked(hessians, ctx.device)
             del stats  # with a parked copy, the device Hessians go now, not after the jobs
-        results = yield Jobs(self._jobs(ctx, linears, hessians, tokens))
+        results = yield Jobs([job for cfg, linears in work for job in self._jobs(ctx, cfg, linears, hessians, tokens)])
         hessians.clear()  # the jobs were their last readers (a layer's Hessians can be tens of GB at full scale)
         merged = {k: v for outputs in results.values() for k, v in outputs.items()}
-        quantized = {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **native}
+        for (cfg, linears), kept in zip(work, native, strict=True):
+            self._replace(ctx, cfg, {**{n: (merged[f"{n}.q"], merged[f"{n}.scale"]) for n in linears}, **kept},
+                          set(kept), merged, tokens)
+
+    def _replace(self, ctx: UnitContext, cfg: LinearQuantConfig, quantized: dict[str, tuple], native: set[str],
+                 merged: dict[str, torch.Tensor], tokens: dict[str, int]) -> None:
+        """Each linear of `quantized` (live name -> integers and scales; `native`: those that keep the checkpoint's
+        MXFP4 bytes) replaced by its QuantLinear of `cfg`'s scheme."""
+        scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
         for live_name, (q, scale) in quantized.items():
             parent_name, _, child = live_name.rpartition(".")
             parent = ctx.module.get_submodule(parent_name) if parent_name else ctx.module
@@ -289,12 +307,13 @@ class LinearQuantProcessor(Processor):
         logger.info("linear_quant %s (%s): %s quantized %d linears%s", scheme.name, weight_cfg.method, ctx.unit.name,
                     len(quantized), kept)
 
-    def _native_mxfp4(self, ctx: UnitContext, linears: dict[str, nn.Linear]) -> dict[str, tuple]:
+    def _native_mxfp4(self, ctx: UnitContext, cfg: LinearQuantConfig, linears: dict[str, nn.Linear]
+                      ) -> dict[str, tuple]:
         """Linears whose source bytes are the answer (module docstring), taken out of `linears`: live name ->
         (packed codes, E8M0 scales) as the checkpoint stores them. The bytes are read again here rather than kept
         from the load: a quarter of the experts' bf16 memory for the whole unit, against one more read of them."""
-        fmt = self.config.scheme.weight
-        if not self.config.scheme.is_mx or fmt.bits != 4:
+        fmt = cfg.scheme.weight
+        if not cfg.scheme.is_mx or fmt.bits != 4:
             return {}
         native = {}
         for live_name, linear in list(linears.items()):
@@ -308,14 +327,14 @@ class LinearQuantProcessor(Processor):
                 del linears[live_name]
         return native
 
-    def _jobs(self, ctx: UnitContext, linears: dict[str, nn.Linear], hessians: dict[str, torch.Tensor],
-              tokens: dict[str, int]) -> list[Job]:
+    def _jobs(self, ctx: UnitContext, cfg: LinearQuantConfig, linears: dict[str, nn.Linear],
+              hessians: dict[str, torch.Tensor], tokens: dict[str, int]) -> list[Job]:
         """One job per linear, except for GPTQ: the linears that read one input (one Hessian object: an attention's
         q/k/v/g/b/f_a, an expert's w1 and w3) are one matrix, their rows stacked, with one inverse factor and one
         column loop; matrices of one shape (a rank's experts) go in batches of about GPTQ_BATCH_BYTES of Hessians
         per linear (GPTQ_BATCH_BYTES_CPU on the CPU), one column loop per batch. Replicated jobs are spread over the
         ranks."""
-        gptq = self.config.qconfig.weight.method == "gptq"
+        gptq = cfg.qconfig.weight.method == "gptq"
         readers: dict[tuple, list[str]] = {}  # GPTQ: per input, its linears; else one linear each
         for name in linears:
             local, h = ctx.adapter.is_rank_local(name), hessians.get(name)
@@ -336,52 +355,53 @@ class LinearQuantProcessor(Processor):
             for batch in batches:
                 outputs = {}
                 for n in (n for members in batch for n in members):
-                    outputs[f"{n}.q"], outputs[f"{n}.scale"] = self._output_specs(*linears[n].weight.shape)
+                    outputs[f"{n}.q"], outputs[f"{n}.scale"] = _output_specs(cfg, *linears[n].weight.shape)
                     if gptq:  # the report's exact weight error, summed where the Hessian is (`_quantize`)
                         outputs[f"{n}.hessian_error"] = ((2,), torch.float32)
-                work = partial(self._quantize, [[linears[n].weight.detach() for n in members] for members in batch],
+                work = partial(_quantize, cfg, [[linears[n].weight.detach() for n in members] for members in batch],
                                batch, [hessians.get(members[0]) for members in batch],
                                [tokens.get(members[0]) for members in batch])
                 cost = len(batch) * rows * in_f * (in_f if gptq else 1)
                 jobs.append(Job(batch[0][0], cost, work, outputs, local=local))
         return jobs
 
-    def _output_specs(self, out_f: int, in_f: int) -> tuple[tuple, tuple]:
-        """(shape, dtype) of a linear's quantized weight and of its scales, as QuantLinear holds them."""
-        scheme, group = self.config.scheme, self.config.qconfig.weight.group_size
-        if scheme.is_mx:
-            packing = 2 if scheme.weight.bits == 4 else 1
-            return ((out_f, in_f // packing), torch.uint8), ((out_f, in_f // 32), torch.uint8)
-        return ((out_f, in_f), torch.int8), ((out_f, in_f // group if group else 1), torch.float32)
+def _output_specs(cfg: LinearQuantConfig, out_f: int, in_f: int) -> tuple[tuple, tuple]:
+    """(shape, dtype) of a linear's quantized weight and of its scales, as QuantLinear holds them."""
+    scheme, group = cfg.scheme, cfg.qconfig.weight.group_size
+    if scheme.is_mx:
+        packing = 2 if scheme.weight.bits == 4 else 1
+        return ((out_f, in_f // packing), torch.uint8), ((out_f, in_f // 32), torch.uint8)
+    return ((out_f, in_f), torch.int8), ((out_f, in_f // group if group else 1), torch.float32)
 
-    def _quantize(self, weights: list[list[torch.Tensor]], names: list[list[str]], hessians: list[torch.Tensor | None],
-                  tokens: list[int | None]) -> dict[str, torch.Tensor]:
-        """Quantize a batch of matrices of one shape, each the rows of the linears `names[k]` stacked (readers of
-        one input, `hessians[k]`); returns each linear's integers and scales (and, with a Hessian, its
-        `hessian_error` sums)."""
-        scheme, weight_cfg = self.config.scheme, self.config.qconfig.weight
-        mats = [torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]
-        single = len(mats) == 1
-        w = mats[0] if single else torch.stack(mats)  # a batch: quantized by one batched GPTQ
-        h, n = None, None
-        if hessians[0] is not None:  # from the host, where they waited (`_parked`)
-            h = hessians[0].to(w.device) if single else torch.stack([m.to(w.device) for m in hessians])
-            n = tokens[0] if single else torch.tensor(tokens)
-        q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
-                                   hessian=h, tokens=n, gptq=weight_cfg.gptq, group_size=weight_cfg.group_size)
-        if single:
-            q, scale, h = q[None], scale[None], None if h is None else h[None]
-        out = {}
-        for k, members in enumerate(names):
-            start = 0
-            for name, weight in zip(members, weights[k], strict=True):
-                end = start + weight.shape[0]
-                out[f"{name}.q"], out[f"{name}.scale"] = q[k, start:end], scale[k, start:end]
-                if h is not None:  # no host read: the sums stay on the device until the report's record reads them
-                    w_hat = dequantize_weight(scheme, out[f"{name}.q"], out[f"{name}.scale"])
-                    out[f"{name}.hessian_error"] = hessian_error(weight, w_hat, h[k])
-                start = end
-        return out
+
+def _quantize(cfg: LinearQuantConfig, weights: list[list[torch.Tensor]], names: list[list[str]],
+              hessians: list[torch.Tensor | None], tokens: list[int | None]) -> dict[str, torch.Tensor]:
+    """Quantize a batch of matrices of one shape, each the rows of the linears `names[k]` stacked (readers of
+    one input, `hessians[k]`); returns each linear's integers and scales (and, with a Hessian, its
+    `hessian_error` sums)."""
+    scheme, weight_cfg = cfg.scheme, cfg.qconfig.weight
+    mats = [torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]
+    single = len(mats) == 1
+    w = mats[0] if single else torch.stack(mats)  # a batch: quantized by one batched GPTQ
+    h, n = None, None
+    if hessians[0] is not None:  # from the host, where they waited (`_parked`)
+        h = hessians[0].to(w.device) if single else torch.stack([m.to(w.device) for m in hessians])
+        n = tokens[0] if single else torch.tensor(tokens)
+    q, scale = quantize_weight(w, scheme.weight, weight_cfg.method, scale_dtype=scheme.engine_scale_dtype,
+                               hessian=h, tokens=n, gptq=weight_cfg.gptq, group_size=weight_cfg.group_size)
+    if single:
+        q, scale, h = q[None], scale[None], None if h is None else h[None]
+    out = {}
+    for k, members in enumerate(names):
+        start = 0
+        for name, weight in zip(members, weights[k], strict=True):
+            end = start + weight.shape[0]
+            out[f"{name}.q"], out[f"{name}.scale"] = q[k, start:end], scale[k, start:end]
+            if h is not None:  # no host read: the sums stay on the device until the report's record reads them
+                w_hat = dequantize_weight(scheme, out[f"{name}.q"], out[f"{name}.scale"])
+                out[f"{name}.hessian_error"] = hessian_error(weight, w_hat, h[k])
+            start = end
+    return out
 
 
 def _log_expert_coverage(ctx: UnitContext, linears: dict[str, nn.Linear], tokens: dict[str, int]) -> None:

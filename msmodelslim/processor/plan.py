@@ -1,10 +1,12 @@
 """The run's linear plan built from its processors (serving/linear_plan.py): the linear_quant entries in YAML order,
-the first selecting a linear wins, as `LinearQuantProcessor.process_unit` applies them; spec.fallback and spec.mtp
-have already moved linears up (processor/fallback.py) when `pipeline/assembly.prepare_run` builds it."""
+the first selecting a linear wins; spec.fallback and spec.mtp (processor/fallback.py `Fallback`) exclude the
+linears they keep FLOAT from every entry and put their W8A8 entries first, run by the practice's first linear_quant.
+`LinearQuantProcessor.process_unit` quantizes what the plan says; `pipeline/assembly.prepare_run` builds it."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from msmodelslim.processor.base import Processor
@@ -22,29 +24,44 @@ def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, Line
             for lin in adapter.linears()}
 
 
-def linear_plan(processors: list[Processor], adapter: Any) -> LinearPlan:
-    """The run's linear plan (serving/linear_plan.py) from the processors after spec.fallback and spec.mtp."""
+@dataclass(frozen=True)
+class Fallback:
+    """What spec.fallback and spec.mtp change in the plan (processor/fallback.py `apply_fallback`)."""
+
+    to_float: list[str] = field(default_factory=list)  # globs of the linears kept FLOAT: out of every entry
+    higher: list[LinearQuantConfig] = field(default_factory=list)  # W8A8 entries, before the practice's own
+
+
+def linear_plan(processors: list[Processor], adapter: Any, fallback: Fallback = Fallback()) -> LinearPlan:
+    """The run's linear plan (serving/linear_plan.py) from the processors and what `fallback` moves: each linear to
+    the first entry selecting it (the fallback's W8A8 entries first), FLOAT where none does or the fallback says so."""
     quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
-    index = {id(cfg): i for i, cfg in enumerate(quantizers)}
+    configs = [*fallback.higher, *quantizers]
+    runs_with = [quantizers[0] if quantizers else None] * len(fallback.higher) + quantizers
+    excluded = [list(cfg.exclude) + fallback.to_float for cfg in quantizers]  # a fallback entry excludes them itself
+    excludes = [list(cfg.exclude) for cfg in fallback.higher] + excluded
     entries = tuple(PlanEntry(cfg.scheme.name, cfg.qconfig.weight.method, cfg.qconfig.weight.group_size or 0,
-                              tuple(cfg.include), tuple(cfg.exclude)) for cfg in quantizers)
-    planned = planned_configs(processors, adapter)
-    linears = {lin.name: PlannedLinear(lin.name, lin.unit.name, lin.unit.kind, lin.in_features, lin.out_features,
-                                       None if planned[lin.name] is None else index[id(planned[lin.name])],
-                                       bool(adapter.is_rank_local(lin.name)))
-               for lin in adapter.linears()}
+                              tuple(cfg.include), tuple(exclude), config=cfg, runs_with=runner)
+                    for cfg, exclude, runner in zip(configs, excludes, runs_with, strict=True))
+    linears = {}
+    for lin in adapter.linears():
+        entry = next((i for i, (cfg, exclude) in enumerate(zip(configs, excludes, strict=True))
+                      if select(lin.name, lin.unit.kind, cfg.include, exclude)), None)
+        linears[lin.name] = PlannedLinear(lin.name, lin.unit.name, lin.unit.kind, lin.in_features, lin.out_features,
+                                          entry, bool(adapter.is_rank_local(lin.name)))
     return LinearPlan(entries, linears)
 
 
 def report_native_mxfp4(processors: list[Processor], plan: LinearPlan, adapter: Any) -> None:
     """Log, before any compute, how many linears will keep the checkpoint's MXFP4 bytes."""
     earlier: list[str] = []
-    entry = 0
     for processor in processors:
         if isinstance(processor, LinearQuantProcessor):
-            cfg = processor.config
-            if cfg.scheme.is_mx and cfg.scheme.weight.bits == 4:
-                chosen = [name for name, linear in plan.linears.items() if linear.entry == entry]
+            for index in plan.entries_run_by(processor.config):
+                cfg = plan.entries[index].config
+                if not (cfg.scheme.is_mx and cfg.scheme.weight.bits == 4):
+                    continue
+                chosen = [name for name, linear in plan.linears.items() if linear.entry == index]
                 stored = sum(adapter.stores_mxfp4(name) for name in chosen)
                 if not earlier:
                     fate = "all of them keep the checkpoint's bytes (no processor before this one changes weights)"
@@ -53,6 +70,5 @@ def report_native_mxfp4(processors: list[Processor], plan: LinearPlan, adapter: 
                             f"(the log says how many per layer), the others keep the checkpoint's bytes")
                 logger.info("linear_quant %s: %d of its %d linears are MXFP4 in the checkpoint; %s", cfg.scheme.name,
                             stored, len(chosen), fate)
-            entry += 1
         elif not getattr(processor, "quantizes_attention", False):
             earlier.append(processor.name)

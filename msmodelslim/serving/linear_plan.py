@@ -1,13 +1,16 @@
 """The linear plan: what the run does to every linear of the model, built once before any compute.
 
 The linear_quant entries say which linears they take (processor/plan.py `linear_plan`, the first entry in
-YAML order wins), spec.fallback and spec.mtp have moved some up, and the serving target has checked the whole
-(serving/rules.py). The run, `--plan`, `analyze` and `tune` read this object; none of them asks the processors again.
+YAML order wins), spec.fallback and spec.mtp have moved some up (a W8A8 fallback is one more entry, run by the
+practice's first linear_quant), and the serving target has checked the whole (serving/rules.py). The run (carried
+in each unit's context: linear_quant quantizes what it says), `--plan`, `analyze` and `tune` read this object; none
+of them asks the processors again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from msmodelslim.serving.ascendv1 import FLOAT
 
@@ -21,6 +24,8 @@ class PlanEntry:
     group_size: int  # weight group size (0: per channel or an MX scheme's own blocks)
     include: tuple[str, ...]
     exclude: tuple[str, ...]
+    config: Any = field(default=None, compare=False, repr=False)  # the linear_quant config that quantizes them
+    runs_with: Any = field(default=None, compare=False, repr=False)  # the config of the linear_quant that runs it
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class LinearPlan:
     def schemes(self) -> dict[str, str]:
         """Serving name -> the description type each linear gets (FLOAT when none)."""
         return {name: self.scheme(name) for name in self.linears}
+
+    def entries_run_by(self, config: Any) -> list[int]:
+        """The entries the linear_quant processor of `config` runs, in plan order."""
+        return [i for i, entry in enumerate(self.entries) if entry.runs_with is config]
 
     def quantized(self) -> list[str]:
         """The linears some entry quantizes, in the model's order."""

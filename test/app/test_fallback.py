@@ -40,7 +40,8 @@ def practice_with(tmp_path: Path, fallback: list[dict]) -> Path:
 
 def schemes(adapter, path: Path) -> dict[str, str]:
     spec = load_practice(path, *registries()).spec
-    return linear_plan(apply_fallback([s.build() for s in spec.process], spec.fallback, adapter), adapter).schemes
+    processors = [s.build() for s in spec.process]
+    return linear_plan(processors, adapter, apply_fallback(processors, spec.fallback, adapter)).schemes
 
 
 def test_without_fallback_the_practice_decides(adapter, tmp_path):

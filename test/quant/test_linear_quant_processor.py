@@ -276,15 +276,17 @@ def test_linears_that_read_one_input_are_one_gptq_matrix_and_get_the_integers_ea
     unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
     ctx = UnitContext(unit=unit, module=layer, adapter=ToyAdapter(), dist=SINGLE,
                       run_samples=lambda: [attn[n](x) for n in ("q_proj", "k_proj", "v_proj")] + [attn.o_proj(x_o)])
-    problems, seen = [], {}
-    original = LinearQuantProcessor._quantize
+    from msmodelslim.processor import linear_quant
 
-    def quantize(self, weights, names, hessians, tokens):
+    problems, seen = [], {}
+    original = linear_quant._quantize
+
+    def quantize(cfg, weights, names, hessians, tokens):
         problems.extend(names)
         seen.update({n: (h, t) for members, h, t in zip(names, hessians, tokens) for n in members})
-        return original(self, weights, names, hessians, tokens)
+        return original(cfg, weights, names, hessians, tokens)
 
-    monkeypatch.setattr(LinearQuantProcessor, "_quantize", quantize)
+    monkeypatch.setattr(linear_quant, "_quantize", quantize)
     config = LinearQuantConfig.build(qconfig={**W8A8, "weight": {**W8A8["weight"], "method": "gptq"}})
     run_processor(LinearQuantProcessor(config), ctx)
     assert sorted(map(sorted, problems)) == [["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
@@ -301,7 +303,7 @@ def test_on_the_cpu_gptq_batches_hold_gptq_batch_bytes_cpu_of_hessians_and_give_
     batch's temporaries take host memory and save no launches there). Reference: one batch for every expert;
     tolerance: none (a batch gives each matrix the integers it gets alone)."""
     from msmodelslim.processor import linear_quant
-    original = LinearQuantProcessor._quantize
+    original = linear_quant._quantize
 
     def run(budget: int) -> tuple[dict, list[int]]:
         monkeypatch.setattr(linear_quant, "GPTQ_BATCH_BYTES_CPU", budget)
@@ -313,11 +315,11 @@ def test_on_the_cpu_gptq_batches_hold_gptq_batch_bytes_cpu_of_hessians_and_give_
                           run_samples=lambda: [layer.get_submodule(n)(x) for n, x in inputs.items()])
         batches: list[int] = []
 
-        def quantize(self, weights, *args, **kwargs):
+        def quantize(cfg, weights, *args, **kwargs):
             batches.append(len(weights))
-            return original(self, weights, *args, **kwargs)
+            return original(cfg, weights, *args, **kwargs)
 
-        monkeypatch.setattr(LinearQuantProcessor, "_quantize", quantize)
+        monkeypatch.setattr(linear_quant, "_quantize", quantize)
         run_processor(LinearQuantProcessor(LinearQuantConfig.build(qconfig=GPTQ_W4A8, include=["*experts.*"],
                                                                  exclude=["*shared_experts*"])), ctx)
         return {n: (m.qweight, m.weight_scale) for n, m in layer.named_modules() if isinstance(m, QuantLinear)}, \
@@ -416,3 +418,45 @@ def test_the_experts_pass_gathers_the_hessians_of_the_later_entry(latent, true_s
     for name, (q, scale) in separate.items():
         same = torch.equal(gathered[name][0], q) and torch.equal(gathered[name][1], scale)
         assert same != (name == "block_sparse_moe.routed_expert_up_proj" and not true_sequential), name
+
+
+def test_a_w8a8_fallback_entry_of_the_plan_runs_in_the_first_linear_quant_as_its_own_processor_would():
+    """spec.fallback's W8A8 entry is an entry of the run's linear plan, run by the practice's first linear_quant (no
+    processor of its own). Reference: the same layer quantized, without a plan, by a linear_quant of that entry placed
+    before the practice's own (what a fallback built before the plan); tolerance: none (the same integers)."""
+    import copy
+
+    from msmodelslim.processor.plan import Fallback, linear_plan
+
+    torch.manual_seed(0)
+    layer = Layer()
+    reference = copy.deepcopy(layer)
+    unit = Unit(name="layers.0", kind="decoder", prefix="language_model.model.layers.0.", index=0)
+
+    class OneLayer(ToyAdapter):
+        def units(self):
+            return [unit]
+
+        def unit_module(self, u):
+            return layer
+
+    experts = dict(qconfig=W4A8, include=["*experts.*"], exclude=["*shared_experts*"])
+    practice = [LinearQuantProcessor(LinearQuantConfig.build(**experts)),
+                LinearQuantProcessor(LinearQuantConfig.build(qconfig=W8A8))]
+    fallback = LinearQuantConfig.build(qconfig=W8A8, include=["*experts.0.*"])
+    adapter = OneLayer()
+    plan = linear_plan(practice, adapter, Fallback(higher=[fallback]))
+    assert plan.entries[0].runs_with is practice[0].config and plan.entries_run_by(practice[1].config) == [2]
+    ctx = UnitContext(unit=unit, module=layer, adapter=adapter, dist=SINGLE, run_samples=lambda: None, plan=plan)
+    for processor in practice:
+        run_processor(processor, ctx)
+    for processor in [LinearQuantProcessor(fallback), *[LinearQuantProcessor(p.config) for p in practice]]:
+        run_processor(processor, UnitContext(unit=unit, module=reference, adapter=adapter, dist=SINGLE,
+                                             run_samples=lambda: None))
+    assert _schemes(layer) == _schemes(reference)
+    assert _schemes(layer)["block_sparse_moe.experts.0.w1"] == "W8A8_DYNAMIC"
+    assert _schemes(layer)["block_sparse_moe.experts.1.w1"] == "W4A8_DYNAMIC"
+    for name, module in layer.named_modules():
+        if isinstance(module, QuantLinear):
+            other = reference.get_submodule(name)
+            assert torch.equal(module.qweight, other.qweight) and torch.equal(module.weight_scale, other.weight_scale)
