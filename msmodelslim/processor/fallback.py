@@ -36,7 +36,7 @@ from msmodelslim.processor.linear_quant import (
     QConfig,
     WeightQConfig,
 )
-from msmodelslim.processor.plan import Fallback, linear_plan, planned_configs
+from msmodelslim.processor.plan import Fallback, planned_configs
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ _DEFAULT_QCONFIG = {
 
 
 def serving_groups(fused: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
-    """Linear -> the members of the fused serving layer it is in, of the serving target's `fused_groups` (linears in no group
-    are absent)."""
+    """Linear -> the members of the fused serving layer it is in, of the serving target's `fused_groups` (linears in
+    no group are absent)."""
     return {shard: shards for _, shards in fused for shard in shards}
 
 
@@ -134,15 +134,6 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
             to_float += globs
         else:
             higher.append((entry.to, globs))
-    fallback = Fallback(to_float, [LinearQuantConfig(
+    return Fallback(to_float, [LinearQuantConfig(
         qconfig=next((q.config.qconfig for q in quantizers if q.config.scheme.name == scheme), None)
         or _DEFAULT_QCONFIG[scheme], include=globs, exclude=to_float) for scheme, globs in higher])
-    if to_float:  # an entry all of whose linears fell back to FLOAT quantizes nothing; the label check says what the
-        # output lost
-        plan = linear_plan(processors, adapter, fallback)
-        used = {linear.entry for linear in plan.linears.values()}
-        for index, planned_entry in enumerate(plan.entries):
-            if index >= len(fallback.higher) and index not in used:
-                logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it "
-                            "quantizes nothing", planned_entry.scheme)
-    return fallback

@@ -49,6 +49,12 @@ def linear_plan(processors: list[Processor], adapter: Any, fallback: Fallback = 
                       if select(lin.name, lin.unit.kind, cfg.include, exclude)), None)
         linears[lin.name] = PlannedLinear(lin.name, lin.unit.name, lin.unit.kind, lin.in_features, lin.out_features,
                                           entry, bool(adapter.is_rank_local(lin.name)))
+    if fallback.to_float:  # an entry whose linears all fell back to FLOAT is said; the label check says what was lost
+        used = {linear.entry for linear in linears.values()}
+        for index in range(len(fallback.higher), len(entries)):
+            if index not in used:
+                logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it "
+                            "quantizes nothing", entries[index].scheme)
     return LinearPlan(entries, linears)
 
 
