@@ -206,8 +206,8 @@ def _smoothing_then_gptq(true_sequential: bool):
         held = Carried()
         run_processor(smooth, ctx, following=[experts, rest], carried=held)
         carried = dict(held.hessian)
-        latent = [n for n in rest._selected(ctx) if adapter.reads_routed_experts(n)]
-        assert latent and set(carried) <= set(experts._selected(ctx)) | set(rest._selected(ctx))
+        latent = [n for n in rest.hessians(ctx) if adapter.reads_routed_experts(n)]
+        assert latent and set(carried) <= set(experts.hessians(ctx)) | set(rest.hessians(ctx))
         observed = observe(ctx, Observe(hessian=tuple(carried))).hessian
         assert sum(smooth.counts.values()) > 0
         passes.clear()
