@@ -21,6 +21,7 @@ def test_all_finite_reads_every_floating_tensor_of_a_state():
 def test_first_non_finite_module_names_the_module_that_made_it_not_its_readers():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     with torch.no_grad():
+        model[0].weight.fill_(1.0)  # its outputs ~4 each, whatever the random state: the next product overflows
         model[1].weight.fill_(3.0e38)  # finite weights, overflowing product
     x = torch.ones(1, 4)
     assert first_non_finite_module(model, lambda: model(x)) == "1"
