@@ -36,7 +36,7 @@ from msmodelslim.processor.linear_quant import (
     QConfig,
     WeightQConfig,
 )
-from msmodelslim.processor.plan import Fallback, planned_configs
+from msmodelslim.processor.plan import Fallback, linear_plan
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ def apply_fallback(processors: list[Any], entries: list[FallbackConfig], adapter
     """What `entries` change in the run's linear plan (module docstring), for `linear_plan`."""
     if not entries:
         return Fallback()
-    planned = planned_configs(processors, adapter)
-    quantized = sorted(name for name, cfg in planned.items() if cfg is not None)
+    quantized = sorted(linear_plan(processors, adapter).quantized())  # as the practice alone would have it
     fused = adapter.target.fused_groups(adapter)
     groups = serving_groups(fused)
     quantizers = [p for p in processors if isinstance(p, LinearQuantProcessor)]

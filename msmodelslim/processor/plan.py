@@ -16,14 +16,6 @@ from msmodelslim.serving.linear_plan import LinearPlan, PlanEntry, PlannedLinear
 logger = logging.getLogger(__name__)
 
 
-def planned_configs(processors: list[Processor], adapter: Any) -> dict[str, LinearQuantConfig | None]:
-    """Serving name -> the linear_quant entry that will quantize each linear of the model: the first one (in YAML
-    order) selecting it, as process_unit applies them, or None (FLOAT)."""
-    quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
-    return {lin.name: next((q for q in quantizers if select(lin.name, lin.unit.kind, q.include, q.exclude)), None)
-            for lin in adapter.linears()}
-
-
 @dataclass(frozen=True)
 class Fallback:
     """What spec.fallback and spec.mtp change in the plan (processor/fallback.py `apply_fallback`)."""
@@ -38,8 +30,8 @@ def linear_plan(processors: list[Processor], adapter: Any, fallback: Fallback = 
     quantizers = [p.config for p in processors if isinstance(p, LinearQuantProcessor)]
     configs = [*fallback.higher, *quantizers]
     runs_with = [quantizers[0] if quantizers else None] * len(fallback.higher) + quantizers
-    excluded = [list(cfg.exclude) + fallback.to_float for cfg in quantizers]  # a fallback entry excludes them itself
-    excludes = [list(cfg.exclude) for cfg in fallback.higher] + excluded
+    # the linears kept FLOAT leave every entry of the practice (a fallback entry's excludes name them already)
+    excludes = [list(cfg.exclude) for cfg in fallback.higher] + [cfg.exclude + fallback.to_float for cfg in quantizers]
     entries = tuple(PlanEntry(cfg.scheme.name, cfg.qconfig.weight.method, cfg.qconfig.weight.group_size or 0,
                               tuple(cfg.include), tuple(exclude), config=cfg, runs_with=runner)
                     for cfg, exclude, runner in zip(configs, excludes, runs_with, strict=True))
