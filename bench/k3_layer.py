@@ -231,7 +231,7 @@ def main() -> None:
             values = sorted(r.get(key, 0.0) for r in sides[side])
             return values[len(values) // 2]
 
-        # the report's work: its observers inside the forward (calibrate) and its reduction (report)
+        # the report's work: its statistic on the forward and its reduction (calibrate) and its entries (report)
         cost = median("with", "calibrate") + median("with", "report") - median("without", "calibrate")
         overhead = {"runner_wall_s": {side: [round(r["runner_wall"], 2) for r in runs_] for side, runs_ in sides.items()},
                     "calibrate_s": {side: [round(r["calibrate"], 3) for r in runs_] for side, runs_ in sides.items()},

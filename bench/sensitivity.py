@@ -4,8 +4,8 @@ shipped W4A8 practice quantizes, no QuaRot, no smoothing.
 
 1. Ranking. One run with two bench-only steps around linear_quant: `bench_stash` keeps each linear's float weight,
    `bench_measure` forwards the quantized unit over the calibration samples and measures each quantized linear's
-   relative output error exactly, ||QuantLinear(X) - X W^T||^2 / ||X W^T||^2, on the inputs the report's observers
-   see next (the runner's own forward). Spearman's rho of the report's `error` against it, over every quantized
+   relative output error exactly, ||QuantLinear(X) - X W^T||^2 / ||X W^T||^2, on the inputs the report's statistic
+   sees next (the runner's own forward). Spearman's rho of the report's `error` against it, over every quantized
    linear (target >= 0.8).
 2. Fallback. 10 % of the quantized linears go to W8A8_DYNAMIC through `spec.fallback`, each with its fused serving
    group (a layer's 48 routed experts, q/k/v/...): the report's worst (`report` + `top_k`), and random orders of

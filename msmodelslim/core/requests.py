@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from msmodelslim.quant.sensitivity import InputSums
 
 
 @dataclass(frozen=True)
 class Observe:
-    """Statistics of module inputs over one calibration pass of the unit as it is now.
+    """Statistics of modules' inputs (of `quant_error`'s, also outputs) over one pass of the unit as it is now.
 
     - `absmax`: per input channel, max |x| (float32 [d]).
     - `hessian`: X^T X over every token (float32 [d, d], float32 sums of exact products in a fixed order:
@@ -38,6 +41,9 @@ class Observe:
       FA3 point): per head the narrowest range [low, high] holding `ratio` of each sample's values (ratio 1:
       min/max), then the min of the lows and the max of the highs over samples and ranks (float32 [heads] each;
       exact in any order).
+    - `quant_error`: quantized linears (QuantLinear): the quant report's sums of their input (in the weight's basis),
+      of what the kernel multiplied by in its place and of their output (`quant.sensitivity.InputSums`), read off
+      each call's input and output; float32 sums over ranks (a diagnostic: kept to 4 significant digits).
 
     `tokens`: observe only the samples of the first `tokens` calibration tokens of the global order
     (`assembly.first_places`, the same on any number of ranks): a statistic that does not need every token costs
@@ -53,13 +59,14 @@ class Observe:
     token_ranges: Mapping[str, torch.Tensor] = field(default_factory=dict)
     ranges: Mapping[str, torch.Tensor] | None = None
     head_ranges: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    quant_error: Sequence[str] = ()
     tokens: int | None = None
     sample: Sequence[str] = ()
     sample_tokens: int | None = None
 
     def modules(self) -> set[str]:
         """Every module whose inputs this request's statistics read."""
-        return {*self.absmax, *self.hessian, *self.token_ranges, *self.head_ranges}
+        return {*self.absmax, *self.hessian, *self.token_ranges, *self.head_ranges, *self.quant_error}
 
 
 @dataclass
@@ -70,6 +77,7 @@ class Stats:
     token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
     range_tokens: dict[str, int] = field(default_factory=dict)
     head_ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (low, high)
+    quant_error: dict[str, InputSums] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

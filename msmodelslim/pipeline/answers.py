@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -46,7 +46,7 @@ class Sample:
         self.calls.append((name, last[1], row_weights()))
 
     def serves(self, request: Observe) -> bool:
-        return request.tokens == self.tokens and request.modules() <= self.names
+        return request.tokens == self.tokens and request.modules() <= self.names and not request.quant_error
 
 
 def _same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -169,7 +169,22 @@ def observe(ctx: UnitContext, request: Observe, sample: Sample | None = None) ->
     """One calibration pass with a hook per observed module, then each kind's reduction over data-parallel ranks
     for the replicated modules (routed experts under EP already saw every rank's tokens). `sample`: the inputs of
     its modules over its first tokens are kept into it in the same pass."""
-    kinds = _kinds(ctx, request)
+    kinds = kinds_of(ctx, request)
+    with recording(ctx, request, kinds, sample), ctx.adapter.statistics_pass():
+        if request.tokens is None or ctx.run_first is None:
+            ctx.run_samples()
+        else:
+            ctx.run_first(request.tokens)
+    return finished(ctx, kinds)
+
+
+@contextlib.contextmanager
+def recording(ctx: UnitContext, request: Observe, kinds: Sequence[Statistic],
+              sample: Sample | None = None) -> Iterator[None]:
+    """Hooks on the observed modules while the pass runs: each kind records the calls of the samples of the first
+    `request.tokens` calibration tokens (all: None); `sample` keeps its modules' inputs over its own first tokens.
+    Input kinds record from a pre-hook, those that read the output (`Statistic.reads_output`) from a forward
+    hook."""
     modules = dict(ctx.module.named_modules())
     keeping = sample.names if sample is not None else frozenset()
     names = sorted({n for k in kinds for n in k.names} | keeping)
@@ -177,8 +192,11 @@ def observe(ctx: UnitContext, request: Observe, sample: Sample | None = None) ->
     if missing:
         raise KeyError(f"unit {ctx.unit.name}: no module named {missing[0]!r}")
 
-    def make_hook(name: str) -> Callable:
-        watching = [k for k in kinds if name in k.names]
+    def observed() -> bool:
+        return request.tokens is None or ctx.within_first(request.tokens)
+
+    def input_hook(name: str) -> Callable:
+        watching = [k for k in kinds if name in k.names and not k.reads_output]
         keep = sample if name in keeping else None
 
         def hook(_mod: nn.Module, args: tuple) -> None:
@@ -187,38 +205,48 @@ def observe(ctx: UnitContext, request: Observe, sample: Sample | None = None) ->
                 return
             if keep is not None and ctx.within_first(keep.tokens):
                 keep.record(name, x)
-            if request.tokens is None or ctx.observing():
+            if watching and observed():
                 _record(watching, name, x)
 
         return hook
 
-    handles = [modules[name].register_forward_pre_hook(make_hook(name)) for name in names]
+    def output_hook(name: str, watching: list[Statistic]) -> Callable:
+        def hook(module: nn.Module, args: tuple, y: torch.Tensor) -> None:
+            if args[0].numel() and observed():
+                for k in watching:
+                    k.record_call(name, module, args[0].detach(), y.detach())
+
+        return hook
+
+    handles = []
+    for name in names:
+        if name in keeping or any(name in k.names and not k.reads_output for k in kinds):
+            handles.append(modules[name].register_forward_pre_hook(input_hook(name)))
+        watching = [k for k in kinds if name in k.names and k.reads_output]
+        if watching:
+            handles.append(modules[name].register_forward_hook(output_hook(name, watching)))
     try:
-        with torch.no_grad(), ctx.adapter.statistics_pass():
-            if request.tokens is None or ctx.run_first is None:
-                ctx.run_samples()
-            else:
-                ctx.run_first(request.tokens)
+        with torch.no_grad():
+            yield
     finally:
         for h in handles:
             h.remove()
-    return _finished(ctx, kinds, modules)
 
 
 def replayed(ctx: UnitContext, request: Observe, sample: Sample) -> Stats:
     """`observe` of a capped request over a kept `sample` of its modules' inputs (`Sample.serves`): the same calls
     in the same order reach the same kinds, so the same statistics, and no forward runs."""
-    kinds = _kinds(ctx, request)
+    kinds = kinds_of(ctx, request)
     with torch.no_grad():
         for name, x, weights in sample.calls:
             watching = [k for k in kinds if name in k.names]
             if watching:
                 with routed_rows(weights) if weights is not None else contextlib.nullcontext():
                     _record(watching, name, x)
-    return _finished(ctx, kinds, dict(ctx.module.named_modules()))
+    return finished(ctx, kinds)
 
 
-def _kinds(ctx: UnitContext, request: Observe) -> list[Statistic]:
+def kinds_of(ctx: UnitContext, request: Observe) -> list[Statistic]:
     missing_ranges = [n for n in request.token_ranges if n not in (request.ranges or {})]
     if missing_ranges:
         raise ValueError(f"unit {ctx.unit.name}: token ranges of {missing_ranges[0]} need the ranges they were "
@@ -232,8 +260,10 @@ def _record(kinds: Sequence[Statistic], name: str, x: torch.Tensor) -> None:
         k.record(name, flat if k.flat_input else x)
 
 
-def _finished(ctx: UnitContext, kinds: Sequence[Statistic], modules: dict[str, nn.Module]) -> Stats:
+def finished(ctx: UnitContext, kinds: Sequence[Statistic]) -> Stats:
+    """Each kind's zero-fill and reduction over data-parallel ranks (replicated modules only), into one Stats."""
     stats = Stats()
+    modules = dict(ctx.module.named_modules())
     with torch.no_grad():
         for k in kinds:  # the same kinds in the same order on every rank: the collectives line up
             k.finish(modules, ctx.dist, lambda n: not ctx.adapter.is_rank_local(n), stats)

@@ -3,9 +3,10 @@ samples' state, the per-pass profile. The runner (pipeline/layer_wise.py) owns t
 and every collective; at each point of a unit's life it calls every hook in the order given, and a hook does
 nothing at the points it does not override.
 
-A unit's life: `restore` (once, before the loop) -> load -> processors -> `propagating` (before the forward that
-makes the next unit's inputs) -> per step of every pass `step`, `load` and `keep` -> `propagated` -> `save_unit` ->
-the unit freed -> `unit_done` -> ... -> `loop_done` -> `finish_rank` -> `publish` (rank 0) -> `close` (always).
+A unit's life: `restore` (once, before the loop) -> load -> processors -> `probe` -> `observe` (the statistics a
+hook reads off the forward that makes the next unit's inputs) -> per sample of every pass `load` and `keep` ->
+`observed` -> `propagated` -> `save_unit` -> the unit freed -> `unit_done` -> ... -> `loop_done` -> `finish_rank` ->
+`publish` (rank 0) -> `close` (always).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from msmodelslim.core.device import synchronize
+from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import Unit
 from msmodelslim.pipeline.impact import ImpactProbe
@@ -45,9 +47,6 @@ class UnitHook:
         """Entered around every pass over the samples (`kind`: the processor that asked, or "calibrate")."""
         return contextlib.nullcontext()
 
-    def step(self, step: int) -> None:
-        """A pass reaches sample slot `step` (the same slots on every rank)."""
-
     def load(self, state: Any) -> Any:
         """A sample's state as the forward takes it."""
         return state
@@ -64,13 +63,14 @@ class UnitHook:
         unit's inputs (pipeline/impact.py), or None."""
         return None
 
-    def propagating(self, unit: Unit, module: nn.Module) -> None:
-        """Before the forward that makes the next unit's inputs."""
+    def observe(self, unit: Unit, module: nn.Module) -> Observe | None:
+        """Statistics of the processed unit to read off the forward that makes the next unit's inputs (no pass of
+        their own; the runner records them on the samples of `Observe.tokens` and reduces them over ranks), or None.
+        The last unit, whose outputs feed nothing, is forwarded for them alone, over those samples."""
+        return None
 
-    def last_unit_steps(self, steps: int) -> set[int] | None | bool:
-        """The slots the last unit (whose outputs feed nothing) must still be forwarded over for this hook (None:
-        all of them), or False: not forwarded for it."""
-        return False
+    def observed(self, run: LayerWiseRunner, unit: Unit, stats: Stats) -> None:
+        """What `observe` asked, reduced over ranks."""
 
     def propagated(self, run: LayerWiseRunner, index: int, unit: Unit, last: bool) -> None:
         """After that forward (or, on the last unit, where it would be)."""
@@ -114,32 +114,25 @@ class SaveHook(UnitHook):
 
 
 class ReportHook(UnitHook):
-    """The quant report (pipeline/report.py): observers on a unit's quantized linears during its forward."""
+    """The quant report (pipeline/report.py): the sums of a unit's quantized linears, read off its forward."""
 
     def __init__(self, report: QuantReport) -> None:
         self.report = report
-        self._watched: list[Any] = []
+        self._module: nn.Module | None = None
         if report.impact is not None:
             self.keep_replaced = report.impact.keep
 
     def probe(self) -> ImpactProbe | None:
         return self.report.impact
 
-    def step(self, step: int) -> None:
-        self.report.observe_step(step)  # (an idle rank's experts still compute the others' tokens)
+    def observe(self, unit: Unit, module: nn.Module) -> Observe | None:
+        self._module = module
+        return self.report.request(module)
 
-    def propagating(self, unit: Unit, module: nn.Module) -> None:
-        self._watched = self.report.watch(module)
-
-    def last_unit_steps(self, steps: int) -> set[int] | None | bool:
-        # the last unit's outputs feed nothing: forwarded for the report alone
-        return self.report.steps_observed(steps) if self._watched else False
-
-    def propagated(self, run: LayerWiseRunner, index: int, unit: Unit, last: bool) -> None:
-        if self._watched:
-            with run.stage("report"):
-                self.report.finish_unit(unit, self._watched)
-        self._watched = []
+    def observed(self, run: LayerWiseRunner, unit: Unit, stats: Stats) -> None:
+        with run.stage("report"):
+            self.report.finish_unit(unit, self._module, stats.quant_error)
+        self._module = None
 
     def finish_rank(self) -> None:
         self.report.finish_rank()

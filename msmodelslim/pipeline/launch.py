@@ -202,7 +202,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         background = request.background and device.type != "cpu"
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
-                        positions=report_positions(samples, spec.report_tokens),
+                        tokens=spec.report_tokens,
                         impact=None if spec.report_impact_tokens is None else
                         ImpactProbe(adapter, dist, report_positions(samples, spec.report_impact_tokens)))
         resume = None if request.report_only else ResumeState(request.work_dir)

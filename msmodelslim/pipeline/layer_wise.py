@@ -5,7 +5,7 @@ answers what each asks for: statistics from calibration passes, reductions, jobs
 carried from one processor's pass to a later one; `answers.py`) -> forward the processed unit over the samples to
 make the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP
 layers follow the head) -> save -> free. The services around that loop are hooks (pipeline/hooks.py): the savers,
-the quant report's observers, the resumable state, the spill of the samples' state, the per-pass profile; the runner
+the quant report, the resumable state, the spill of the samples' state, the per-pass profile; the runner
 owns the loop, the passes, the finite checks, the stage timing and every collective.
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
@@ -41,7 +41,7 @@ from msmodelslim.core.dist import SINGLE, DistContext
 from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
 from msmodelslim.core.placement import to_host
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.pipeline.answers import Carried, UnitContext, run_processor
+from msmodelslim.pipeline.answers import Carried, UnitContext, finished, kinds_of, recording, run_processor
 from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
 from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.hooks import UnitHook
@@ -106,7 +106,6 @@ class LayerWiseRunner:
         self.stats = RunStats()
         self.position = 0  # the unit being processed: its index in adapter.units()
         self._step = 0  # this rank's sample in progress
-        self._observed: set[int] | None = None  # the places a capped statistics pass observes
         self._places: dict[int, set[int] | None] = {}  # first_places by token cap
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
 
@@ -138,13 +137,8 @@ class LayerWiseRunner:
                          tokens: int | None = None) -> None:
         """A pass for a processor's statistics (no state kept): over every sample, or over those of the first
         `tokens` calibration tokens of the global order (the steps where some rank forwards one)."""
-        places = self._first_places(tokens)
-        self._observed = places
-        try:
-            self._run_samples(unit, module, states, keep=False,
-                              only=steps_with(places, self._steps(states), self.dist.world_size))
-        finally:
-            self._observed = None
+        self._run_samples(unit, module, states, keep=False,
+                          only=steps_with(self._first_places(tokens), self._steps(states), self.dist.world_size))
 
     def _first_places(self, tokens: int | None) -> set[int] | None:
         """The places of the samples of the first `tokens` calibration tokens (None: every sample)."""
@@ -169,12 +163,10 @@ class LayerWiseRunner:
                 if only is not None and step not in only:
                     continue
                 self._step = step
-                for hook in self.hooks:
-                    hook.step(step)
                 if step < len(states):
                     copies = HostCopies()
                     out = self.adapter.forward_unit(unit, module, copies.to_device(self._loaded(states[step]), device))
-                    finite.append(all_finite(out))  # every pass: observers must never see a NaN
+                    finite.append(all_finite(out))  # every pass: statistics must never see a NaN
                     forwarded.append(step)
                     if keep:
                         host = copies.to_host(out)
@@ -242,16 +234,18 @@ class LayerWiseRunner:
         self._publish()
         return self.stats
 
+    def _context(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> UnitContext:
+        return UnitContext(unit, module, self.adapter, self.dist,
+                           run_samples=lambda: self._statistics_pass(unit, module, states),
+                           run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
+                           within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist),
+                           keep_replaced=next((h.keep_replaced for h in self.hooks if h.keep_replaced), None),
+                           plan=self.schedule.plan)
+
     def _process(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> None:
         """The processors in YAML order, each request answered (pipeline/answers.py)."""
         t0 = time.perf_counter()
-        ctx = UnitContext(unit, module, self.adapter, self.dist,
-                          run_samples=lambda: self._statistics_pass(unit, module, states),
-                          run_first=lambda tokens: self._statistics_pass(unit, module, states, tokens),
-                          observing=lambda: observed_now(self._observed, self._step, self.dist),
-                          within_first=lambda tokens: observed_now(self._first_places(tokens), self._step, self.dist),
-                          keep_replaced=next((h.keep_replaced for h in self.hooks if h.keep_replaced), None),
-                          plan=self.schedule.plan)
+        ctx = self._context(unit, module, states)
         carried = Carried()  # Hessians a pass gathered for a later processor of this unit
         for k, processor in enumerate(self.processors):
             self._pass_kind = processor.name
@@ -263,23 +257,33 @@ class LayerWiseRunner:
 
     def _propagate(self, index: int, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                    last: bool) -> list[dict[str, Any]]:
-        """The forward that makes the next unit's inputs (quantization errors propagate as at inference), with the
-        hooks' observers on; the last unit feeds nothing and is forwarded only where a hook asks."""
+        """The forward that makes the next unit's inputs (quantization errors propagate as at inference), the hooks'
+        statistics read off it (`UnitHook.observe`); the last unit feeds nothing and is forwarded only for those,
+        over the samples they observe."""
         for probe in filter(None, (hook.probe() for hook in self.hooks)):
             with self.stage("impact"):
                 self._probe(unit, module, states, probe)
+        asked = [(hook, request) for hook in self.hooks
+                 if (request := hook.observe(unit, module)) is not None and request.modules()]
         with self.stage("calibrate"):
-            for hook in self.hooks:
-                hook.propagating(unit, module)
             self.position = index
             self._pass_kind = "calibrate"
-            if not last:
-                states = self._run_samples(unit, module, states, keep=True)
-            else:
-                asked = [s for s in (h.last_unit_steps(self._steps(states)) for h in self.hooks) if s is not False]
-                if asked:
-                    only = None if any(s is None for s in asked) else set().union(*asked)
+            ctx = self._context(unit, module, states)
+            kinds = [kinds_of(ctx, request) for _, request in asked]
+            with contextlib.ExitStack() as recordings:
+                for (_, request), request_kinds in zip(asked, kinds):
+                    recordings.enter_context(recording(ctx, request, request_kinds))
+                if not last:
+                    states = self._run_samples(unit, module, states, keep=True)
+                elif asked:
+                    tokens = [request.tokens for _, request in asked]
+                    only = None if None in tokens else set().union(
+                        *(steps_with(self._first_places(t), self._steps(states), self.dist.world_size)
+                          for t in tokens))
                     self._run_samples(unit, module, states, keep=False, only=only)
+            observed = [(hook, finished(ctx, request_kinds)) for (hook, _), request_kinds in zip(asked, kinds)]
+        for hook, stats in observed:
+            hook.observed(self, unit, stats)
         for hook in self.hooks:
             hook.propagated(self, index, unit, last)
         return states

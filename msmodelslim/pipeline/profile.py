@@ -1,6 +1,6 @@
 """$MSMODELSLIM_PROFILE (benchmarks only): where a calibration pass spends its time.
 
-Each pass over the samples runs under its own torch.profiler, so the trace holds the forwards and their observers
+Each pass over the samples runs under its own torch.profiler, so the trace holds the forwards and their statistics' hooks
 and not the quantization jobs (GPTQ's column loops are hundreds of thousands of small operators per full-size layer
 and made a whole-run profile outlast a device call). Per pass kind (the processor that asked for it, or `calibrate`)
 the file gives the wall time, the device kernels launched and their time, and the operators by device and host time.

@@ -1,15 +1,14 @@
 """The quant report: every quantized linear's output error on the calibration tokens, its weight and activation
 statistics (quant/sensitivity.py), from the forward the runner makes anyway: no calibration pass of its own.
 
-Per unit, `watch` gives each QuantLinear an input-sums observer for the runner's forward of the quantized unit
-(the one that makes the next unit's inputs; the last unit feeds nothing, so its forward runs for the report only
-when it holds a quantized linear), recording the samples `spec.report_tokens` selects (the first of the global
-order, so past them a calibration token costs the report nothing); `finish_unit` sums the replicated linears' sums
-over the data-parallel ranks (float32: the report is a diagnostic, its numbers are kept to 4 significant digits and
-agree across rank counts within that; routed experts under EP already saw every rank's tokens) and makes each
-linear's entry. The entries
-are part of a rank's resumable state. At the end every rank writes its part and rank 0 merges them into
-`quant_report.json` and logs the worst linears.
+Per unit, the report asks the runner for one more statistic on the forward of the quantized unit (the one that makes
+the next unit's inputs; the last unit feeds nothing, so its forward runs for the report only when it holds a
+quantized linear): the `quant_error` sums of its quantized linears (pipeline/statistics.py `QuantError`), over the
+samples of the first `spec.report_tokens` calibration tokens of the global order (past them a calibration token
+costs the report nothing), reduced over the data-parallel ranks by the runner; `finish_unit` makes each linear's
+entry from them and from what linear_quant knew of its rounding (`QuantLinear.weight_error`). The entries are part
+of a rank's resumable state. At the end every rank writes its part and rank 0 merges them into `quant_report.json`
+and logs the worst linears.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from torch import nn
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.report import REPORT_FILE, REPORT_VERSION, ranked
+from msmodelslim.core.requests import Observe
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.pipeline.assembly import observed_now, steps_with
 from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.quant.modules import QuantLinear
 from msmodelslim.quant.sensitivity import InputSums, report_entry, significant
@@ -36,58 +35,33 @@ LOGGED_WORST = 15  # msModelSlim's `analyze --top_k` default
 
 class QuantReport:
     def __init__(self, adapter: ModelAdapter, dist: DistContext, source: dict[str, str], work_dir: Path,
-                 positions: set[int] | None = None, impact: ImpactProbe | None = None) -> None:
+                 tokens: int | None = None, impact: ImpactProbe | None = None) -> None:
         self.adapter = adapter
         self.impact = impact  # the loss-aware score's probe (pipeline/impact.py), when the practice asks for it
-        self.positions = positions  # the samples observed, by place in the dealing order (assembly.report_positions)
-        self._step = 0  # this rank's sample in progress: every rank forwards its sample `step` at the same time
+        self.tokens = tokens  # the calibration tokens observed (spec.report_tokens; None: all)
         self.dist = dist
         self.work_dir = work_dir  # the run's temporary output: the parts and the report go there
         self.source = source  # source.checkpoint.source_identity of the checkpoint: a fallback checks it
         self.entries: dict[str, dict[str, Any]] = {}  # checkpoint name -> entry, this rank's
 
-    def watch(self, module: nn.Module) -> list[tuple[str, QuantLinear]]:
-        """The unit's quantized linears, each given a fresh observer (live name, module)."""
-        linears = [(name, m) for name, m in module.named_modules()
-                   if isinstance(m, QuantLinear) and m.weight_error is not None]
-        for _, m in linears:
-            m.observer = InputSums.zeros(m.in_features, self.dist.device)
-            m.observer.gate = self._observes
-        return linears
+    def request(self, module: nn.Module) -> Observe | None:
+        """The statistic of the unit's quantized linears read off its forward (None: it has none)."""
+        names = tuple(name for name, m in module.named_modules()
+                      if isinstance(m, QuantLinear) and m.weight_error is not None)
+        return Observe(quant_error=names, tokens=self.tokens) if names else None
 
-    def observe_step(self, step: int) -> None:
-        """Before the forward of this rank's sample `step`."""
-        self._step = step
-
-    def steps_observed(self, steps: int) -> set[int] | None:
-        """The steps at which some rank forwards an observed sample (the same on every rank); None: all."""
-        return steps_with(self.positions, steps, self.dist.world_size)
-
-    def _observes(self) -> bool:
-        """Whether the tokens in progress are observed (`assembly.observed_now`)."""
-        return observed_now(self.positions, self._step, self.dist)
-
-    def finish_unit(self, unit: Unit, linears: list[tuple[str, QuantLinear]]) -> None:
-        """Reduce the replicated linears' sums over ranks (the same names in the same order on every rank) and
-        record one entry per linear; the observers are taken off again."""
-        replicated = [(n, m.observer) for n, m in linears if not self.adapter.is_rank_local(n)]
-        summed = ("squares", "act_error", "moments", "output_squares")
-        floats = self.dist.all_reduce_sum({f"{n}/{k}": getattr(s, k) for n, s in replicated for k in summed})
-        tokens = self.dist.all_reduce_sum({n: s.tokens for n, s in replicated})
-        absmax = self.dist.all_reduce_max({n: s.absmax for n, s in replicated})
-        for name, sums in replicated:
-            for k in summed:
-                setattr(sums, k, floats[f"{name}/{k}"])
-            sums.tokens, sums.absmax = tokens[name], absmax[name]
-        names = {name: self.adapter.checkpoint_name(unit, name) for name, _ in linears}
-        for name, m in linears:
-            entry = report_entry(m.scheme.name, m.weight_error, m.observer)
+    def finish_unit(self, unit: Unit, module: nn.Module, sums: dict[str, InputSums]) -> None:
+        """One entry per quantized linear of the unit from its reduced sums (live name -> InputSums)."""
+        names = {name: self.adapter.checkpoint_name(unit, name) for name in sums}
+        for name, linear_sums in sums.items():
+            linear = module.get_submodule(name)
+            entry = report_entry(linear.scheme.name, linear.weight_error, linear_sums)
             self.entries[names[name]] = {"unit": unit.name, **entry}
-            m.observer = m.weight_error = None
+            linear.weight_error = None
         if self.impact is not None and self.impact.impacts:  # the unit was probed (on every rank alike)
             absolute = {names[n]: (self.entries[names[n]]["error"] or 0.0) * (self.entries[names[n]]["output_energy"]
-                                                                            or 0.0) for n, _ in linears}
-            replicated = {names[n] for n, _ in linears if not self.adapter.is_rank_local(n)}
+                                                                            or 0.0) for n in sums}
+            replicated = {names[n] for n in sums if not self.adapter.is_rank_local(n)}
             for name, value in self.impact.shares(absolute, replicated).items():
                 self.entries[name]["impact"] = significant(value)
 

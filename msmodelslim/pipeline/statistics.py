@@ -27,6 +27,7 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.core.routing import row_weights
 from msmodelslim.errors import UserError
+from msmodelslim.quant.sensitivity import InputSums
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
 # On the CPU a Hessian's products fill only its upper triangle, a strip of this many rows per product: 0.6-0.85x the
@@ -55,6 +56,8 @@ class Statistic:
 
     field: ClassVar[str]  # the Observe / Stats field this kind serves
     flat_input: ClassVar[bool] = True  # the hook passes x as [tokens, channels] (else as the module got it)
+    # read off each call's input and output (`record_call`, from a forward hook) rather than its input (`record`)
+    reads_output: ClassVar[bool] = False
 
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         self.request = request
@@ -62,6 +65,9 @@ class Statistic:
         self.names: tuple[str, ...] = tuple(getattr(request, self.field))
 
     def record(self, name: str, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def record_call(self, name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
@@ -347,6 +353,43 @@ class HeadRanges(Statistic):
         bounds.update({f"high:{n}": high for n, (_, high) in self.values.items()})
         bounds = dist.all_reduce_max(bounds)
         stats.head_ranges.update({n: (-bounds[f"low:{n}"], bounds[f"high:{n}"]) for n in self.names})
+
+
+@statistic
+class QuantError(Statistic):
+    """The quant report's sums of a quantized linear (`quant.sensitivity.InputSums`) over the tokens observed: its
+    input in the weight's basis, what the kernel multiplied by in its place (`QuantLinear.kernel_input`, the same
+    values as its forward's) and its output. The replicated linears' float32 sums are added over ranks (the report
+    is a diagnostic: its numbers are kept to 4 significant digits and agree across rank counts within that), the
+    token counts as int64, the maxima by max; a routed expert under EP already saw every rank's tokens."""
+
+    field = "quant_error"
+    reads_output = True
+    summed: ClassVar[tuple[str, ...]] = ("squares", "act_error", "moments", "output_squares")
+
+    def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(request, ranges, device)
+        self.sums: dict[str, InputSums] = {}
+
+    def record_call(self, name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, x_quant = module.kernel_input(x)
+        if name not in self.sums:
+            self.sums[name] = InputSums.zeros(module.in_features, self.device)
+        self.sums[name].record(x, x_quant, y)
+
+    def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
+               stats: Stats) -> None:
+        for name in self.names:
+            self.sums.setdefault(name, InputSums.zeros(width(modules[name]), self.device))
+        shared = [(n, self.sums[n]) for n in self.names if replicated(n)]
+        floats = dist.all_reduce_sum({f"{n}/{k}": getattr(s, k) for n, s in shared for k in self.summed})
+        tokens = dist.all_reduce_sum({n: s.tokens for n, s in shared})
+        absmax = dist.all_reduce_max({n: s.absmax for n, s in shared})
+        for name, sums in shared:
+            for k in self.summed:
+                setattr(sums, k, floats[f"{name}/{k}"])
+            sums.tokens, sums.absmax = tokens[name], absmax[name]
+        stats.quant_error.update({n: self.sums[n] for n in self.names})
 
 
 def kinds_for(request: Observe) -> list[type[Statistic]]:

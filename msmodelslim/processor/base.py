@@ -27,12 +27,10 @@ class UnitContext:
     dist: DistContext
     # Runs this rank's calibration samples through the unit as it is now (no state is kept).
     run_samples: Callable[[], None]
-    # The same over the samples of the first N calibration tokens only (`Observe.tokens`; None: every sample), and
-    # during such a pass whether the tokens in progress come from those samples (a hook records only then).
+    # The same over the samples of the first N calibration tokens only (`Observe.tokens`; None: every sample).
     run_first: Callable[[int], None] | None = None
-    observing: Callable[[], bool] = lambda: True
     # During any pass: whether the tokens in progress come from the samples of the first N calibration tokens (None:
-    # every token), so a hook can keep those inputs for a capped statistic answered later without a pass.
+    # every token): a capped statistic's hooks record only then.
     within_first: Callable[[int | None], bool] = lambda tokens: True
     # Where a processor that replaces a linear by its quantized form hands over the float one (live name, module),
     # when a service of the runner reads it later in the unit (the quant report's impact); None: none does.

@@ -54,7 +54,7 @@ from msmodelslim.quant.mx import (
     grid_exponents,
     quantize_mx_weight,
 )
-from msmodelslim.quant.sensitivity import InputSums, WeightError
+from msmodelslim.quant.sensitivity import WeightError
 
 ONLINE_ROTATION = "online_rotation"
 
@@ -298,10 +298,9 @@ class QuantLinear(nn.Module):
             raise ValueError(f"online_rotation must be [{in_features}, {in_features}], "
                              f"got {list(online_rotation.shape)}")
         self.register_buffer(ONLINE_ROTATION, online_rotation)
-        # The quant report's two halves (quant/sensitivity.py), plain attributes, never saved: what linear_quant
-        # knew of the rounding, and the input sums the runner collects while it forwards the quantized unit.
+        # What linear_quant knew of the rounding, for the quant report (quant/sensitivity.py; its input sums are a
+        # statistic the runner reads off the unit's forward): a plain attribute, never saved.
         self.weight_error: WeightError | None = None
-        self.observer: InputSums | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str | QuantScheme, weight_method: str = "ssz",
@@ -335,22 +334,27 @@ class QuantLinear(nn.Module):
         if self.online_rotation is not None:
             x = apply_online_rotation(x, self.online_rotation)
         act = self.scheme.act
-        observer = self.observer if self.observer is not None and self.observer.active() else None
-        x_quant = None  # what the kernel multiplies by, for the observer
         if isinstance(act, IntDtype):
             qx, sx = quantize_per_token(x, act)
             y = self.integer_product(qx, sx, out_dtype)
-            if observer is not None:
-                x_quant = qx.to(torch.float32) * sx
         else:  # MX: elements times powers of two are exact in the model dtype
-            if act is not None:
-                x_quant = fake_quant_mx(x, act, self.scheme.act_rounding)
-            y = F.linear(x if act is None else x_quant, self.dequantized_weight(x.dtype))
+            y = F.linear(x if act is None else fake_quant_mx(x, act, self.scheme.act_rounding),
+                         self.dequantized_weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
-        if observer is not None:
-            observer.record(x, x_quant, y)
         return y
+
+    def kernel_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For an input x of `forward`: the input in the weight's basis (after the online rotation) and what the
+        kernel multiplies by in its place (float32; None where activations stay float), as `forward` computes them
+        (the same values: per-token quantization is a per-row computation)."""
+        if self.online_rotation is not None:
+            x = apply_online_rotation(x, self.online_rotation)
+        act = self.scheme.act
+        if isinstance(act, IntDtype):
+            qx, sx = quantize_per_token(x, act)
+            return x, qx.to(torch.float32) * sx
+        return x, None if act is None else fake_quant_mx(x, act, self.scheme.act_rounding)
 
     def integer_product(self, qx: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The output before the bias, computed in float32 and cast to `dtype`, of per-token quantized inputs (qx
@@ -382,10 +386,9 @@ class QuantLinear(nn.Module):
 
 def _shares_quantized_rows(module: nn.Module) -> bool:
     """A QuantLinear whose input rows can be quantized once for every reader of them: per-token integer
-    activations, no rotation or bias, and no hook that must see the call (statistics)."""
+    activations, no rotation or bias, and no pre-hook that must see the call (an input statistic)."""
     return isinstance(module, QuantLinear) and isinstance(module.scheme.act, IntDtype) \
-        and module.online_rotation is None and module.bias is None \
-        and not module._forward_pre_hooks and not module._forward_hooks
+        and module.online_rotation is None and module.bias is None and not module._forward_pre_hooks
 
 
 def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Tensor,
@@ -395,14 +398,14 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
 
     Bit-identical to calling each module on its rows, with fewer launches: the QuantLinears of
     `_shares_quantized_rows` take the per-token quantization of all rows at once (a per-row computation) and only
-    their products per group; any other module is called as usual (its hooks see its rows, and every reader of a
-    group the same tensor, so readers of one input share a Hessian)."""
+    their products per group, and their forward hooks (statistics of input and output: the quant report's) are
+    called with the group's rows and output as the module's call would; any other module is called as usual (its
+    hooks see its rows, and every reader of a group the same tensor, so readers of one input share a Hessian)."""
     quantized: dict[IntDtype, tuple[torch.Tensor, torch.Tensor]] = {}
     # the CPU casts each group's product while it is in cache; accelerators cast the concatenation (one launch, not
     # one per group): the same values either way
     product_dtype = x.dtype if x.device.type == "cpu" else torch.float32
     pieces: list[list[torch.Tensor]] = [[] for _ in readers[0]] if readers else []
-    observed: list[tuple[QuantLinear, int, int, int]] = []  # (module, reader position, first row, end row)
     for group, (start, end) in zip(readers, bounds, strict=True):
         rows = x[start:end]
         for j, module in enumerate(group):
@@ -414,10 +417,7 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
                 quantized[act] = quantize_per_token(x, act)
             qx, sx = quantized[act]
             pieces[j].append(module.integer_product(qx[start:end], sx[start:end], product_dtype))
-            if module.observer is not None and module.observer.active():
-                observed.append((module, j, start, end))
-    outputs = [torch.cat(p).to(x.dtype) for p in pieces]
-    x_quant = {act: qx.to(torch.float32) * sx for act, (qx, sx) in quantized.items()} if observed else {}
-    for module, j, start, end in observed:  # the quant report's sums, as QuantLinear.forward records them
-        module.observer.record(x[start:end], x_quant[module.scheme.act][start:end], outputs[j][start:end])
-    return outputs
+            for hook in module._forward_hooks.values():
+                if hook(module, (rows,), pieces[j][-1].to(x.dtype)) is not None:
+                    raise RuntimeError(f"a forward hook of {module} replaced the output of a grouped expert call")
+    return [torch.cat(p).to(x.dtype) for p in pieces]

@@ -23,7 +23,6 @@ reads activations: `act_kurtosis` (the same ratio, from float32 raw moments), `a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +94,6 @@ class InputSums:
     moments: torch.Tensor  # float32 [4]
     output_squares: torch.Tensor  # float32 scalar
     tokens: torch.Tensor  # int64 scalar
-    gate: Callable[[], bool] | None = None  # whether the tokens in progress are recorded (None: all are)
 
     @classmethod
     def zeros(cls, width: int, device: torch.device) -> InputSums:
@@ -103,9 +101,6 @@ class InputSums:
         return cls(z, z.clone(), z.clone(), torch.zeros(4, dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.int64, device=device))
-
-    def active(self) -> bool:
-        return self.gate is None or self.gate()
 
     def record(self, x: torch.Tensor, x_quant: torch.Tensor | None, y: torch.Tensor) -> None:
         """One call's input x [..., in], its quantized form (None: activations stay float) and the output y."""

@@ -169,26 +169,33 @@ def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind):
 
 
 def test_grouped_experts_fill_the_quant_report_as_each_expert_would():
-    """The report's InputSums of every expert after a grouped forward equal those of calling each expert on its rows
-    (bit for bit: the same rows, the same float32 reductions per expert)."""
+    """The report's statistic (`QuantError`, from forward hooks) of every expert after a grouped forward equals that
+    of calling each expert on its rows (bit for bit: the same rows, the same float32 reductions per expert), and the
+    hooked experts keep the grouped path (their rows quantized once)."""
     from msmodelslim.core.dist import SINGLE
+    from msmodelslim.core.requests import Observe
     from msmodelslim.model.common.expert_parallel import ep_moe_infer
-    from msmodelslim.quant.sensitivity import InputSums
+    from msmodelslim.pipeline.statistics import QuantError
+    from msmodelslim.quant.modules import _shares_quantized_rows
 
     x, idx, w = _routing()
     blocks = [_expert_block("w4a8"), _expert_block("w4a8")]
-    for block in blocks:
-        for expert in block.values():
-            for name in ("w1", "w2", "w3"):
-                getattr(expert, name).observer = InputSums.zeros(getattr(expert, name).in_features, torch.device("cpu"))
+    names = [(key, name) for key in blocks[0] for name in ("w1", "w2", "w3")]
+    kinds = [QuantError(Observe(quant_error=tuple(f"{k}.{n}" for k, n in names)), {}, torch.device("cpu"))
+             for _ in blocks]
+    for block, kind in zip(blocks, kinds):
+        for key, name in names:
+            getattr(block[key], name).register_forward_hook(
+                lambda module, args, y, kind=kind, label=f"{key}.{name}": kind.record_call(label, module, args[0], y))
     with torch.no_grad():
         ep_moe_infer(blocks[0], x, idx, w, SINGLE)
+        assert all(_shares_quantized_rows(getattr(blocks[0][key], name)) for key, name in names)
         _expert_by_expert(blocks[1], x, idx, w)
-    for key in blocks[0]:
-        for name in ("w1", "w2", "w3"):
-            a, b = getattr(blocks[0][key], name).observer, getattr(blocks[1][key], name).observer
-            for field in ("squares", "act_error", "absmax", "moments", "output_squares", "tokens"):
-                assert torch.equal(getattr(a, field), getattr(b, field)), (key, name, field)
+    assert set(kinds[0].sums) == set(kinds[1].sums) and kinds[0].sums
+    for label, a in kinds[0].sums.items():
+        b = kinds[1].sums[label]
+        for field in ("squares", "act_error", "absmax", "moments", "output_squares", "tokens"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (label, field)
 
 
 def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and_w3():

@@ -5,6 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from msmodelslim.core.dist import SINGLE
+from msmodelslim.core.requests import Observe, Stats
+from msmodelslim.pipeline.statistics import QuantError
 from msmodelslim.quant import QuantLinear
 from msmodelslim.quant.sensitivity import InputSums, hessian_error, report_entry, weight_error, weight_statistics
 
@@ -15,9 +18,18 @@ def _measured(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
     return float((y.double() - ref).square().sum() / ref.square().sum())
 
 
-def _observed(ql: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    ql.observer = InputSums.zeros(ql.in_features, torch.device("cpu"))
-    return ql(x)
+def _observed(ql: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, InputSums]:
+    """ql(x) and the report's sums of that call, as the runner's statistic (`QuantError`) records them from a
+    forward hook and reduces them (one rank)."""
+    kind = QuantError(Observe(quant_error=("ql",)), {}, torch.device("cpu"))
+    handle = ql.register_forward_hook(lambda module, args, y: kind.record_call("ql", module, args[0], y))
+    try:
+        y = ql(x)
+    finally:
+        handle.remove()
+    stats = Stats()
+    kind.finish({"ql": ql}, SINGLE, lambda name: True, stats)
+    return y, stats.quant_error["ql"]
 
 
 def test_weight_error_with_the_hessian_is_the_exact_output_error_of_the_weight():
@@ -40,8 +52,8 @@ def test_report_error_estimates_the_measured_output_error_of_a_quantized_linear(
     ql = QuantLinear.from_linear(lin, scheme, weight_method="minmax")
     ql.weight_error = weight_error(lin.weight, ql.dequantized_weight(), "minmax")
     x = torch.randn(4, 512, 256) * torch.rand(256) * 2
-    y = _observed(ql, x)
-    entry = report_entry(scheme, ql.weight_error, ql.observer)
+    y, sums = _observed(ql, x)
+    entry = report_entry(scheme, ql.weight_error, sums)
     assert entry["hessian"] == "diagonal" and entry["tokens"] == 4 * 512
     assert entry["error"] == pytest.approx(_measured(x.reshape(-1, 256), lin.weight.detach(), y.reshape(-1, 96)),
                                            rel=0.15)
@@ -54,12 +66,12 @@ def test_act_error_is_measured_and_zero_for_a_weight_only_scheme():
     lin = nn.Linear(64, 16, bias=False)
     ql = QuantLinear.from_linear(lin, "W4A16_MXFP4", weight_method="minmax")
     ql.weight_error = weight_error(lin.weight, ql.dequantized_weight(), "minmax")
-    _observed(ql, torch.randn(128, 64))
-    entry = report_entry("W4A16_MXFP4", ql.weight_error, ql.observer)
+    _, sums = _observed(ql, torch.randn(128, 64))
+    entry = report_entry("W4A16_MXFP4", ql.weight_error, sums)
     assert entry["act_error"] == 0 and entry["weight_error"] > 0
 
 
-def test_observer_sees_the_input_in_the_weight_basis_after_the_online_rotation():
+def test_the_report_sees_the_input_in_the_weight_basis_after_the_online_rotation():
     """A linear with an online rotation T computes (x T^T) W'^T: its sums are of x T^T (reference: float32 math)."""
     torch.manual_seed(3)
     lin = nn.Linear(32, 8, bias=False)
@@ -67,10 +79,10 @@ def test_observer_sees_the_input_in_the_weight_basis_after_the_online_rotation()
     lin.register_buffer("online_rotation", rot)
     ql = QuantLinear.from_linear(lin, "W8A8_DYNAMIC", weight_method="minmax")
     x = torch.randn(50, 32)
-    _observed(ql, x)
+    _, sums = _observed(ql, x)
     rotated = x @ rot.t()
-    assert torch.allclose(ql.observer.squares, rotated.square().sum(0), rtol=1e-4)
-    assert torch.allclose(ql.observer.absmax, rotated.abs().amax(0), rtol=1e-5)
+    assert torch.allclose(sums.squares, rotated.square().sum(0), rtol=1e-4)
+    assert torch.allclose(sums.absmax, rotated.abs().amax(0), rtol=1e-5)
 
 
 def test_a_linear_no_token_reached_has_no_error_but_keeps_its_weight_statistics():
@@ -98,8 +110,8 @@ def test_activation_kurtosis_and_peak_ratio_match_float64_over_every_input_eleme
     ql = QuantLinear.from_linear(lin, "W8A8_DYNAMIC", weight_method="minmax")
     x = torch.randn(3, 200, 64) + 0.3
     x[..., 7] *= 25  # an outlier channel
-    _observed(ql, x)
-    entry = report_entry("W8A8_DYNAMIC", weight_error(lin.weight, ql.dequantized_weight(), "minmax"), ql.observer)
+    _, sums = _observed(ql, x)
+    entry = report_entry("W8A8_DYNAMIC", weight_error(lin.weight, ql.dequantized_weight(), "minmax"), sums)
     ref = x.double().reshape(-1)
     centred = ref - ref.mean()
     var = centred.square().mean()

@@ -26,6 +26,7 @@ from msmodelslim.core.requests import Job, Jobs, Observe, Stats
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline import statistics
 from msmodelslim.pipeline.answers import observe, run_jobs, run_processor
+from msmodelslim.pipeline.hooks import UnitHook
 from msmodelslim.pipeline.statistics import HESSIAN_CHUNK_TOKENS
 from msmodelslim.processor.base import Processor, UnitContext
 
@@ -409,6 +410,39 @@ def test_a_capped_observe_of_a_kept_sample_runs_no_pass_and_gives_the_capped_pas
     assert kept.stats.range_tokens == capped.stats.range_tokens == {"a": 1590}
     assert torch.equal(kept.stats.token_ranges["a"], capped.stats.token_ranges["a"])
     assert torch.equal(kept.stats.hessian["a"], capped.stats.hessian["a"]) and kept.stats.tokens == {"a": 1590}
+
+
+class ReadsTheForward(UnitHook):
+    """A runner hook asking a's absmax off the forward that makes the next unit's inputs."""
+
+    def __init__(self, tokens: int | None) -> None:
+        self.tokens, self.stats = tokens, None
+
+    def observe(self, unit: Unit, module: nn.Module) -> Observe:
+        return Observe(absmax=("a",), tokens=self.tokens)
+
+    def observed(self, run: Any, unit: Unit, stats: Stats) -> None:
+        self.stats = stats
+
+
+def test_a_hooks_statistic_is_read_off_the_forward_and_the_last_unit_runs_only_for_its_samples():
+    """A hook's Observe on the propagate pass (the quant report's way): no pass of its own, and the last unit (whose
+    outputs feed nothing) forwarded only over the samples of the first 580 tokens (the dealing order's 300 and 290).
+    Reference: the absmax of `observe` over those two samples (exact: a max); uncapped, every sample."""
+    from msmodelslim.pipeline.assembly import place_tokens, split_samples
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
+
+    g = torch.Generator().manual_seed(5)
+    samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "x": torch.randn(n, 12, generator=g)}
+               for n in (5, 300, 7, 280, 6, 290, 8)]
+    for cap, forwarded in ((580, [1, 5]), (None, range(7))):
+        adapter, hook = OneUnitAdapter(), ReadsTheForward(cap)
+        runner = LayerWiseRunner(adapter, [], [hook], schedule=Schedule(place_tokens=place_tokens(samples)),
+                                 background=False)
+        runner.run(split_samples(samples, 0, 1))
+        reference = observe(context(two_readers(), [samples[i]["x"] for i in forwarded]), Observe(absmax=("a",)))
+        assert adapter.forwards == len(forwarded) and runner.stats.passes[UNIT.name] == 1
+        assert torch.equal(hook.stats.absmax["a"], reference.absmax["a"])
 
 
 def test_the_resumable_state_written_in_line_has_the_bytes_of_the_background_write(tmp_path):
