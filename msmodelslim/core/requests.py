@@ -17,12 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
-
-if TYPE_CHECKING:
-    from msmodelslim.quant.sensitivity import InputSums
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class Stats:
     token_ranges: dict[str, torch.Tensor] = field(default_factory=dict)
     range_tokens: dict[str, int] = field(default_factory=dict)
     head_ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (low, high)
-    quant_error: dict[str, InputSums] = field(default_factory=dict)
+    quant_error: dict[str, Any] = field(default_factory=dict)  # quant.sensitivity.InputSums
 
 
 @dataclass(frozen=True)

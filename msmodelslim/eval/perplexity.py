@@ -1,13 +1,14 @@
 """Perplexity of the original checkpoint and of a written AscendV1 output, computed unit by unit.
 
-Never holds more than one unit: for each unit in order, the original unit is loaded from the source checkpoint and
-run over every window's hidden state, freed, then the same unit is loaded from the AscendV1 output (dequantised
-weights) with every linear described with a quantized scheme (integer or MX) replaced by a `QuantLinear`
-built from the STORED integers and scales (per-token activation quantization, online rotation if stored), so the
-quantized pass computes what the runtime computes. Attentions the output quantizes (`<attention>.quant_type`) get
-their FA3 points from the adapter and quantizers from the stored scales (`install_attention_quantizers`). The
-`head` unit's logits give the NLL of each window's next
-tokens (fp32 log-softmax); ppl = exp(mean NLL over all predicted tokens). Vision units are skipped (text only).
+The layer-wise runner drives it (pipeline/layer_wise.py, as a quantization run: a unit and the next one in memory,
+no processor, an `EvalHook` that takes the scores off the head): for each unit in order, the original unit is loaded
+from the source checkpoint and run over every window's hidden state, then the same unit is loaded from the AscendV1
+output (dequantised weights) with every linear described with a quantized scheme (integer or MX) replaced by a
+`QuantLinear` built from the STORED integers and scales (per-token activation quantization, online rotation if
+stored), so the quantized pass computes what the runtime computes. Attentions the output quantizes
+(`<attention>.quant_type`) get their FA3 points from the adapter and quantizers from the stored scales
+(`install_attention_quantizers`). The `head` unit's logits give the NLL of each window's next tokens (fp32
+log-softmax); ppl = exp(mean NLL over all predicted tokens). Vision units are skipped (text only).
 
 Perplexity alone cannot rank practices whose deltas are smaller than its noise. With both models evaluated, the
 head runs them side by side on each window and also gives the token-level KL divergence of the quantized model's
@@ -24,7 +25,6 @@ import copy
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,9 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from msmodelslim.core.memory import heap_for_temporaries, return_freed_tensors_to_os
+from msmodelslim.core.dist import DistContext
 from msmodelslim.errors import UserError
 from msmodelslim.model.base import ModelAdapter, Unit
+from msmodelslim.pipeline.hooks import UnitHook
+from msmodelslim.pipeline.layer_wise import LayerWiseRunner
 from msmodelslim.quant.attention import install_quantizers
 from msmodelslim.quant.modules import QuantLinear, apply_online_rotation
 from msmodelslim.serving.ascendv1 import QUANT_TYPES, AscendV1Reader
@@ -165,82 +167,128 @@ def _mean_se(values: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
-def _run(adapter: ModelAdapter, unit: Unit, module: nn.Module, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    with torch.no_grad(), heap_for_temporaries():
-        return [adapter.forward_unit(unit, module, s) for s in states]
+ORIGINAL, QUANTIZED = "orig", "quant"
+
+
+class ModelPair:
+    """The original checkpoint and the AscendV1 output as one model the layer-wise runner drives
+    (pipeline/layer_wise.py, with `EvalHook`): each text unit twice, the original's then the output's (the runner
+    holds a unit and the next one, as in a quantization run); the head both, side by side, giving each window's losses, KL and top-1 agreement in place of the logits. A sample's
+    state is one window's two states {"orig": ..., "quant": ...} (the quantized one alone with `variants`). The MTP
+    layers the output holds are loaded, so their quantized linears are simulated and checked, and not forwarded:
+    perplexity reads the head."""
+
+    def __init__(self, adapter: ModelAdapter, reader: AscendV1Reader, compute_dtype: torch.dtype,
+                 variants: Sequence[str]) -> None:
+        self.adapter, self.reader, self.compute_dtype, self.variants = adapter, reader, compute_dtype, tuple(variants)
+        self.simulated: set[str] = set()  # checkpoint names of the linears replaced by their runtime form
+        self.attentions: set[str] = set()  # and of the attentions given their stored FA3 quantizers
+        self._units: dict[str, tuple[Unit, str | None]] = {}  # pair unit name -> (the model's unit, variant)
+
+    def units(self) -> list[Unit]:
+        units = []
+        for unit in self.adapter.units():
+            if unit.kind == "vision":
+                continue
+            if unit.kind == "mtp" and not any(name.startswith(unit.prefix) for name in self.reader.weight_map):
+                continue  # left out of the output (spec.mtp: drop)
+            for variant in (None,) if unit.kind == "head" else self.variants:
+                name = unit.name if variant is None else f"{unit.name} ({variant})"
+                self._units[name] = (unit, variant)
+                units.append(Unit(name, unit.kind, unit.prefix, unit.index))
+        return units
+
+    def _load(self, unit: Unit, variant: str, device: torch.device) -> nn.Module:
+        if variant == ORIGINAL:  # a copy: the output's load of the unit fills the same skeleton (the runner loads
+            # the next unit before it forwards this one, and the head holds both)
+            return copy.deepcopy(self.adapter.load_unit(unit, device))
+        module = self.adapter.load_unit(unit, device, reader=self.reader)
+        self.simulated.update(wrap_quantized_linears(self.adapter, unit, module, self.reader, self.compute_dtype))
+        self.attentions.update(install_attention_quantizers(self.adapter, unit, module, self.reader))
+        return module
+
+    def load_unit(self, unit: Unit, device: torch.device) -> nn.Module:
+        model_unit, variant = self._units[unit.name]
+        if variant is not None:
+            return self._load(model_unit, variant, device)
+        return nn.ModuleDict({v: self._load(model_unit, v, device) for v in self.variants})
+
+    def free_unit(self, unit: Unit, module: nn.Module) -> None:
+        model_unit, variant = self._units[unit.name]
+        for part in (module,) if variant is not None else module.values():
+            self.adapter.free_unit(model_unit, part)
+
+    def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        model_unit, variant = self._units[unit.name]
+        if variant is not None:
+            if variant not in state:  # past the head: nothing to forward
+                return state
+            return {**state, variant: self.adapter.forward_unit(model_unit, module, state[variant])}
+        window = state[self.variants[0]]["input_ids"]
+        logits = {v: self.adapter.forward_unit(model_unit, module[v], state[v])["logits"] for v in self.variants}
+        scores: dict[str, Any] = {}
+        for v in self.variants:
+            scores[v], scores["count"] = _nll(logits[v], window)
+        if ORIGINAL in logits:
+            scores["kl"], scores["agree"] = _divergence(logits[ORIGINAL], logits[QUANTIZED])
+        return {"scores": scores}
+
+    def idle_unit(self, unit: Unit, module: nn.Module) -> None:
+        raise RuntimeError("an evaluation runs on one device: no rank idles")
+
+
+class EvalHook(UnitHook):
+    """Takes each window's scores off the head's outputs (`ModelPair`), in window order."""
+
+    def __init__(self) -> None:
+        self.scores: list[dict[str, Any]] = []
+
+    def reads_outputs(self, unit: Unit) -> bool:
+        return unit.kind == "head"
+
+    def keep(self, run: Any, step: int, state: Any) -> Any:
+        if "scores" not in state:
+            return state
+        self.scores.append(state["scores"])
+        return {}  # what the units after the head receive: nothing to forward
 
 
 def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], device: torch.device,
                          reader: AscendV1Reader, compute_dtype: torch.dtype = torch.bfloat16,
                          ppl_orig: float | None = None) -> EvalResult:
-    """Original and quantized perplexity over `windows`, one unit in memory at a time; with `ppl_orig` (the
-    original's, known from an earlier call on the same windows) the quantized one alone."""
+    """Original and quantized perplexity over `windows`, one unit in memory at a time (the layer-wise runner over a
+    `ModelPair`); with `ppl_orig` (the original's, known from an earlier call on the same windows) the quantized
+    one alone."""
     if not windows:
         raise UserError("no evaluation window (text shorter than one window?)")
-    variants = {"quant": reader} if ppl_orig is not None else {"orig": None, "quant": reader}
-    states = {v: [{"input_ids": w, "need_logits": True} for w in windows] for v in variants}
-    nll: dict[str, list[float]] = {v: [] for v in variants}  # per window
-    count: list[int] = []
-    kl: list[float] = []
-    agree: list[int] = []
-    simulated: set[str] = set()
-    attentions: set[str] = set()
-    return_freed_tensors_to_os()  # one unit in memory at a time, as the runner
-    for unit in adapter.units():
-        if unit.kind == "vision":
-            continue
-        if unit.kind == "mtp" and not any(name.startswith(unit.prefix) for name in reader.weight_map):
-            continue  # left out of the output (spec.mtp: drop); perplexity reads the head's logits anyway
-        modules = {}
-        for variant, unit_reader in variants.items():
-            t0 = time.perf_counter()
-            module = adapter.load_unit(unit, device, reader=unit_reader)
-            if unit_reader is not None:
-                simulated.update(wrap_quantized_linears(adapter, unit, module, unit_reader, compute_dtype))
-                attentions.update(install_attention_quantizers(adapter, unit, module, unit_reader))
-            if unit.kind == "head":  # the variants side by side, a window at a time (module docstring); an
-                # adapter's loads of one unit fill one skeleton module, so the next load would overwrite this one's
-                # weights (the original's head computed with the output's rotated lm_head): it is held as a copy
-                modules[variant] = copy.deepcopy(module) if variant == "orig" else module  # quant loads last
-                continue
-            states[variant] = _run(adapter, unit, module, states[variant])
-            adapter.free_unit(unit, module)
-            logger.debug("eval %s %s: %.2f s", variant, unit.name, time.perf_counter() - t0)
-        if unit.kind == "head":
-            for i, window in enumerate(windows):
-                logits = {v: _run(adapter, unit, modules[v], [states[v][i]])[0]["logits"] for v in variants}
-                for v in variants:
-                    s, n = _nll(logits[v], window)
-                    nll[v].append(s)
-                count.append(n)
-                if "orig" in variants:
-                    divergence, agreed = _divergence(logits["orig"], logits["quant"])
-                    kl.append(divergence)
-                    agree.append(agreed)
-            for module in modules.values():
-                adapter.free_unit(unit, module)
-            states = {v: [] for v in variants}
-    if not count:
+    variants = (QUANTIZED,) if ppl_orig is not None else (ORIGINAL, QUANTIZED)
+    pair, hook = ModelPair(adapter, reader, compute_dtype, variants), EvalHook()
+    runner = LayerWiseRunner(pair, [], [hook], DistContext(device=device), background=False)
+    runner.progress_label = "evaluating"
+    runner.run([{v: {"input_ids": w, "need_logits": True} for v in variants} for w in windows])
+    if not hook.scores:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
-    unmatched = sorted(set(reader.quantized_linears()) - simulated)
+    unmatched = sorted(set(reader.quantized_linears()) - pair.simulated)
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized linear {unmatched[0]!r} (and {len(unmatched) - 1} more) is not "
                          f"an nn.Linear of any text unit of {type(adapter).__name__}; it cannot be simulated")
-    unmatched = sorted(set(reader.attention_types) - attentions)
+    unmatched = sorted(set(reader.attention_types) - pair.attentions)
     if unmatched:
         raise UserError(f"{reader.out_dir}: quantized attention {unmatched[0]!r} (and {len(unmatched) - 1} more) is "
                          f"no attention with FA3 points of any text unit of {type(adapter).__name__}")
+    count = [s["count"] for s in hook.scores]
     tokens = sum(count)
-    ppl = {"orig": ppl_orig, **{v: math.exp(math.fsum(nll[v]) / tokens) for v in variants}}
-    logger.info("eval: %d quantized linears and %d quantized attentions simulated", len(simulated), len(attentions))
-    result = EvalResult(ppl_orig=ppl["orig"], ppl_quant=ppl["quant"], delta_pct=100.0 * (ppl["quant"] / ppl["orig"] - 1),
-                        windows=len(windows), tokens=tokens, quantized_linears=len(simulated),
-                        quantized_attentions=len(attentions))
-    if "orig" in variants:
-        loss_delta, loss_delta_se = _mean_se([(q - o) / n for q, o, n in zip(nll["quant"], nll["orig"], count)])
+    ppl = {ORIGINAL: ppl_orig, **{v: math.exp(math.fsum(s[v] for s in hook.scores) / tokens) for v in variants}}
+    logger.info("eval: %d quantized linears and %d quantized attentions simulated", len(pair.simulated),
+                len(pair.attentions))
+    result = EvalResult(ppl_orig=ppl[ORIGINAL], ppl_quant=ppl[QUANTIZED],
+                        delta_pct=100.0 * (ppl[QUANTIZED] / ppl[ORIGINAL] - 1), windows=len(windows), tokens=tokens,
+                        quantized_linears=len(pair.simulated), quantized_attentions=len(pair.attentions))
+    if ORIGINAL in variants:
+        loss_delta, loss_delta_se = _mean_se([(s[QUANTIZED] - s[ORIGINAL]) / s["count"] for s in hook.scores])
         result.ppl_delta_se = None if loss_delta_se is None else 100.0 * math.exp(loss_delta) * loss_delta_se
-        result.kl, result.kl_se = _mean_se([d / n for d, n in zip(kl, count)])
-        result.top1, result.top1_se = _mean_se([a / n for a, n in zip(agree, count)])
+        result.kl, result.kl_se = _mean_se([s["kl"] / s["count"] for s in hook.scores])
+        result.top1, result.top1_se = _mean_se([s["agree"] / s["count"] for s in hook.scores])
     return result
 
 
@@ -316,7 +364,6 @@ def evaluate(model_path: str | Path, quant_path: str | Path, dataset: str | Path
     check_same_source(model_path, reader)
     owned = adapter is None
     if adapter is None:
-        from msmodelslim.core.dist import DistContext
         from msmodelslim.model.registry import resolve_model_type
 
         cls = resolve_model_type(model_type).load_adapter_class()

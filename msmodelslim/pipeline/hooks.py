@@ -54,6 +54,10 @@ class UnitHook:
     def start_keeping(self) -> None:
         """A pass whose outputs are kept begins."""
 
+    def reads_outputs(self, unit: Unit) -> bool:
+        """Whether `keep` reads this unit's outputs even where it is the last unit (whose outputs feed nothing)."""
+        return False
+
     def keep(self, run: LayerWiseRunner, step: int, state: Any) -> Any:
         """A unit's output for the sample of `step`, on the host, as the runner keeps it."""
         return state
@@ -155,6 +159,10 @@ class SpillHook(UnitHook):
 
     def start_keeping(self) -> None:
         self._kept = 0
+
+    def reads_outputs(self, unit: Unit) -> bool:
+        """Whether `keep` reads this unit's outputs even where it is the last unit (whose outputs feed nothing)."""
+        return False
 
     def keep(self, run: LayerWiseRunner, step: int, state: Any) -> Any:
         self._kept += state_bytes(state)

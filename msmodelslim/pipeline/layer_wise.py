@@ -108,6 +108,7 @@ class LayerWiseRunner:
         self._step = 0  # this rank's sample in progress
         self._places: dict[int, set[int] | None] = {}  # first_places by token cap
         self._pass_kind = "calibrate"  # who asked for the pass being run (the profile's label)
+        self.progress_label = "quantizing"  # the progress bar's (an evaluation's runner says so)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -203,7 +204,7 @@ class LayerWiseRunner:
                 first, states = restored
                 logger.info("resuming after unit %s (%d of %d done)", units[first - 1].name, first, len(units))
         loader = UnitLoader(self, units)
-        bar = tqdm(total=len(units), initial=first, desc="quantizing", unit="unit", disable=not self.dist.is_main,
+        bar = tqdm(total=len(units), initial=first, desc=self.progress_label, unit="unit", disable=not self.dist.is_main,
                    dynamic_ncols=True)
         try:
             loader.start(first)
@@ -258,8 +259,8 @@ class LayerWiseRunner:
     def _propagate(self, index: int, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                    last: bool) -> list[dict[str, Any]]:
         """The forward that makes the next unit's inputs (quantization errors propagate as at inference), the hooks'
-        statistics read off it (`UnitHook.observe`); the last unit feeds nothing and is forwarded only for those,
-        over the samples they observe."""
+        statistics read off it (`UnitHook.observe`); the last unit feeds nothing and is forwarded only for a hook
+        that reads its outputs, or for those statistics over the samples they observe."""
         for probe in filter(None, (hook.probe() for hook in self.hooks)):
             with self.stage("impact"):
                 self._probe(unit, module, states, probe)
@@ -273,7 +274,7 @@ class LayerWiseRunner:
             with contextlib.ExitStack() as recordings:
                 for (_, request), request_kinds in zip(asked, kinds):
                     recordings.enter_context(recording(ctx, request, request_kinds))
-                if not last:
+                if not last or any(hook.reads_outputs(unit) for hook in self.hooks):
                     states = self._run_samples(unit, module, states, keep=True)
                 elif asked:
                     tokens = [request.tokens for _, request in asked]
