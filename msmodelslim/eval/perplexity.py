@@ -174,7 +174,8 @@ class ModelPair:
     """The original checkpoint and the AscendV1 output as one model the layer-wise runner drives
     (pipeline/layer_wise.py, with `EvalHook`): each text unit twice, the original's then the output's (the runner
     holds a unit and the next one, as in a quantization run); the head both, side by side, giving each window's losses, KL and top-1 agreement in place of the logits. A sample's
-    state is one window's two states {"orig": ..., "quant": ...} (the quantized one alone with `variants`). The MTP
+    state is one window's token ids and its two states {"window": ids, "orig": ..., "quant": ...} (the quantized one
+    alone with `variants`). The MTP
     layers the output holds are loaded, so their quantized linears are simulated and checked, and not forwarded:
     perplexity reads the head."""
 
@@ -224,7 +225,7 @@ class ModelPair:
             if variant not in state:  # past the head: nothing to forward
                 return state
             return {**state, variant: self.adapter.forward_unit(model_unit, module, state[variant])}
-        window = state[self.variants[0]]["input_ids"]
+        window = state["window"]
         logits = {v: self.adapter.forward_unit(model_unit, module[v], state[v])["logits"] for v in self.variants}
         scores: dict[str, Any] = {}
         for v in self.variants:
@@ -265,7 +266,7 @@ def layerwise_perplexity(adapter: ModelAdapter, windows: list[torch.Tensor], dev
     pair, hook = ModelPair(adapter, reader, compute_dtype, variants), EvalHook()
     runner = LayerWiseRunner(pair, [], [hook], DistContext(device=device), background=False)
     runner.progress_label = "evaluating"
-    runner.run([{v: {"input_ids": w, "need_logits": True} for v in variants} for w in windows])
+    runner.run([{"window": w, **{v: {"input_ids": w, "need_logits": True} for v in variants}} for w in windows])
     if not hook.scores:
         raise ValueError(f"{type(adapter).__name__}: no unit of kind 'head' produced logits")
     unmatched = sorted(set(reader.quantized_linears()) - pair.simulated)
