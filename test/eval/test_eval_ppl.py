@@ -212,6 +212,25 @@ def test_the_original_head_is_the_source_one_when_the_output_head_differs(tmp_pa
     assert result["ppl_quant"] != pytest.approx(reference, rel=1e-2)  # the output's flipped head reached its side
 
 
+def test_the_layer_wise_runner_drives_the_evaluation(tmp_path, text_file, monkeypatch):
+    """eval runs through the runner (pipeline/layer_wise.py): each unit's original, then the output's, the head once
+    holding both, each in one pass over the windows; with loads that fill one skeleton per unit (the runner loads the
+    next unit, the same skeleton, before it forwards this one) the figures equal those of separate modules (ToyLM),
+    exactly."""
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+
+    src = _make_source(tmp_path / "src")
+    _quantize_and_save(src, tmp_path / "out", online=False)
+    runners, run = [], LayerWiseRunner.run
+    monkeypatch.setattr(LayerWiseRunner, "run", lambda self, samples: runners.append(self) or run(self, samples))
+    result = evaluate(src, tmp_path / "out", text_file, "cpu", seq_len=64, max_windows=3, adapter=SkeletonToyLM(src))
+    reference = evaluate(src, tmp_path / "out", text_file, "cpu", seq_len=64, max_windows=3, adapter=ToyLM(src))
+    assert dict(runners[0].stats.passes) == {name: 1 for name in (
+        "embed (orig)", "embed (quant)", "layers.0 (orig)", "layers.0 (quant)", "layers.1 (orig)", "layers.1 (quant)",
+        "head")}
+    assert result == reference and result["ppl_quant"] != result["ppl_orig"]
+
+
 def test_wrap_uses_stored_integers_and_rotation(tmp_path):
     src = _make_source(tmp_path / "src")
     adapter, quant_modules = _quantize_and_save(src, tmp_path / "out", online=True)
