@@ -213,11 +213,6 @@ def first_places(tokens_by_place: Sequence[int], tokens: int | None) -> set[int]
     return places
 
 
-def report_positions(samples: list[dict[str, Any]], tokens: int | None) -> set[int] | None:
-    """`first_places` of the whole calibration set."""
-    return first_places(place_tokens(samples), tokens)
-
-
 def steps_with(places: set[int] | None, steps: int, world: int) -> set[int] | None:
     """The steps at which some rank forwards one of `places` (the same on every rank); None: all."""
     if places is None:

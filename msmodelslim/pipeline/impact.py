@@ -32,7 +32,6 @@ from torch import nn
 
 from msmodelslim.core.dist import DistContext
 from msmodelslim.model.base import ModelAdapter, Unit
-from msmodelslim.pipeline.assembly import observed_now, steps_with
 from msmodelslim.pipeline.spill import map_state
 
 
@@ -59,10 +58,12 @@ class ImpactProbe:
     """One run's impact measurements (module docstring): the replaced float linears of the unit in progress, the
     sums of its probe forwards, and per unit the groups' impacts."""
 
-    def __init__(self, adapter: ModelAdapter, dist: DistContext, positions: set[int] | None) -> None:
+    def __init__(self, adapter: ModelAdapter, dist: DistContext, tokens: int | None) -> None:
         self.adapter = adapter
         self.dist = dist
-        self.positions = positions  # the samples probed, by place in the dealing order (assembly.report_positions)
+        # the samples probed: those of the first `tokens` calibration tokens of the global order (the runner's
+        # capped selection, `assembly.first_places`; None: every sample)
+        self.tokens = tokens
         self._group_of: dict[str, str] | None = None  # checkpoint name -> its fused serving layer (built once)
         self._replaced: dict[str, nn.Module] = {}  # live name -> the float linear, on the host
         self._groups: list[tuple[str, list[str]]] = []  # (group, live names), the unit in progress
@@ -95,10 +96,6 @@ class ImpactProbe:
         """Forwards per probed sample of the unit in progress: float, processed, one per group (0: no group)."""
         return 2 + len(self._groups) if self._groups else 0
 
-    def steps(self, steps: int) -> set[int] | None:
-        """The steps at which some rank forwards a probed sample (the same on every rank); None: all."""
-        return steps_with(self.positions, steps, self.dist.world_size)
-
     @contextlib.contextmanager
     def _float(self, module: nn.Module, names: list[str]) -> Iterator[None]:
         quantized = {name: module.get_submodule(name) for name in names}
@@ -114,11 +111,6 @@ class ImpactProbe:
         """The float linears to the run's device for the probe's forwards."""
         for linear in self._replaced.values():
             linear.to(device)
-
-    def probed(self, step: int) -> bool:
-        """Whether this rank's sample at `step` is one of the probed places (the others at that step are forwarded
-        for the collectives only)."""
-        return observed_now(self.positions, step, self.dist)
 
     @torch.no_grad()
     def measure(self, module: nn.Module, forward: Callable[[], Any], inputs: Any, counted: bool = True) -> None:

@@ -36,7 +36,7 @@ from msmodelslim.core.files import disk_full_error
 from msmodelslim.errors import RankLost, ResumableError, UserError
 from msmodelslim.log import configure_logging
 from msmodelslim.model.base import ModelAdapter
-from msmodelslim.pipeline.assembly import place_tokens, prepare_run, report_positions, split_samples
+from msmodelslim.pipeline.assembly import place_tokens, prepare_run, split_samples
 from msmodelslim.pipeline.hooks import service_hooks
 from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.layer_wise import LayerWiseRunner, Schedule
@@ -204,7 +204,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
                         tokens=spec.report_tokens,
                         impact=None if spec.report_impact_tokens is None else
-                        ImpactProbe(adapter, dist, report_positions(samples, spec.report_impact_tokens)))
+                        ImpactProbe(adapter, dist, spec.report_impact_tokens))
         resume = None if request.report_only else ResumeState(request.work_dir)
         # the samples' state past the host budget: in the resumable state (its units refer to the files), else apart
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",

@@ -299,7 +299,8 @@ class LayerWiseRunner:
         device = self.dist.device
         probe.on_device(device)
         steps = self._steps(states)
-        only = probe.steps(steps)
+        places = self._first_places(probe.tokens)
+        only = steps_with(places, steps, self.dist.world_size)
         with torch.no_grad(), heap_for_temporaries():
             for step in range(steps):
                 if only is not None and step not in only:
@@ -308,7 +309,7 @@ class LayerWiseRunner:
                 if step < len(states):
                     inputs = HostCopies().to_device(self._loaded(states[step]), device)
                     probe.measure(module, lambda inputs=inputs: self.adapter.forward_unit(unit, module, inputs),
-                                  inputs, counted=probe.probed(step))
+                                  inputs, counted=observed_now(places, step, self.dist))
                 else:
                     for _ in range(variants):
                         self.adapter.idle_unit(unit, module)

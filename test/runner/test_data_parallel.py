@@ -163,8 +163,11 @@ def test_samples_are_dealt_largest_first_so_lock_step_ranks_stay_balanced():
     assert split_samples(samples, 0, 1) == sorted(samples, key=lambda s: -s["input_ids"].shape[1])
 
 
-def test_the_report_observes_the_first_samples_of_the_dealing_order_up_to_its_token_cap():
-    from msmodelslim.pipeline.assembly import report_positions
+def test_a_capped_statistic_observes_the_first_samples_of_the_dealing_order_up_to_its_token_cap():
+    from msmodelslim.pipeline.assembly import first_places, place_tokens
+
+    def report_positions(samples, tokens):
+        return first_places(place_tokens(samples), tokens)
 
     sizes = [5, 300, 7, 280, 6, 290, 8]  # dealing order: 300, 290, 280, 8, 7, 6, 5
     samples = [{"input_ids": torch.zeros(1, n, dtype=torch.long)} for n in sizes]

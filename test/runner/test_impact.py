@@ -67,7 +67,7 @@ def toy() -> tuple[Block, list[dict[str, torch.Tensor]]]:
 
 def probed(block: Block, samples: list[dict[str, torch.Tensor]]) -> ImpactProbe:
     """The probe as the runner drives it: the float linears handed over as linear_quant replaces them."""
-    probe = ImpactProbe(ToyAdapter(), SINGLE, positions=None)
+    probe = ImpactProbe(ToyAdapter(), SINGLE, tokens=None)
     unit = copy.deepcopy(block)
     for name in ("a", "b", "c"):
         linear = getattr(unit, name)
