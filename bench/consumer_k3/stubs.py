@@ -83,6 +83,8 @@ def after_vllm_ascend_import() -> None:
         setattr(torch_npu, name, MagicMock())
     torch_npu.float8_e8m0fnu = torch.float8_e8m0fnu
     torch_npu.float4_e2m1fn_x2 = torch.float4_e2m1fn_x2
+    # 0.27 quantization/utils.py:36 reads it at import (tests/ut/conftest.py:65 stubs it as 290); no torch twin
+    torch_npu.hifloat8 = 290
     adapt_patch()
     adapt_patch(True)
     register_ascend_customop()

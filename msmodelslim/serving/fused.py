@@ -1,6 +1,6 @@
 """What the serving engines fuse: groups of checkpoint linears that run as one layer, hence with one scheme.
 
-An AscendV1 output is served by vllm-ascend, whose layers come from one of three model classes (a "serving layout"):
+An AscendV1 output is served by vllm-ascend, whose layers come from one of these model classes (a "serving layout"):
 - `vllm-ascend-0.23`: vllm-ascend 0.23 on vLLM 0.23's Kimi-Linear class: every KDA and MLA linear separate
   (`kimi_linear.py:556-558` declares no packed modules; test/consumer/vllm_layers.py `V023`);
 - `vllm-ascend-0.26rc`: the Kimi-K3 class of vllm-ascend `releases/v0.26.0rc` (`vllm_ascend/models/kimi_k3.py:1261-1266`
@@ -8,8 +8,10 @@ An AscendV1 output is served by vllm-ascend, whose layers come from one of three
   `fused_qkv`, MLA q_a + kv_a as `fused_qkv_a_proj`; KDA b/f_a/f_b/g/o and the MLA output gate separate;
 - `vllm-0.33`: vLLM 0.33's Kimi-Linear / Kimi-K3 classes (`vllm/models/kimi_k3/nvidia/model.py:935-941`, `load_weights`
   :1252-1283): KDA q/k/v/g/b/f_a as `in_proj_qkvgfab`, MLA q_a + kv_a (+ the output gate) as `fused_qkv_a(_g)_proj`.
-  vllm-ascend 0.27 runs these classes' KDA packing, and also loads `in_proj_qkvgfab` split: q/k/v of one quantized
-  type, g/f_a/b FLOAT (`FusedRule.split`; a profile says whether it accepts that, serving/profiles.py).
+- `vllm-ascend-0.27`: vllm-ascend 0.27 (PR #14454) on vLLM 0.27.1: KDA q/k/v/g/b/f_a as `in_proj_qkvgfab`, which it
+  also loads split: q/k/v of one quantized type, g/f_a/b FLOAT (`FusedRule.split`; `modelslim_config.py:415-435,
+  678-695`); MLA q_a + kv_a as `fused_qkv_a_proj`, its output gate a layer of its own (vLLM 0.27.1
+  `models/kimi_k3/amd/linear.py:347-352,405-410`; bench/consumer_k3.py loads both forms).
 Every layout runs dense and shared MLPs' gate/up as `gate_up_proj` and a MoE's routed experts as one layer
 (vllm-ascend reads one scheme for a FusedMoE, `modelslim_config.py:71-303`). `conv1d` is fused too, but convolutions
 are never quantized. The serving target (a profile) names the layouts of each model type.
@@ -23,7 +25,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-LAYOUTS = ("vllm-ascend-0.23", "vllm-ascend-0.26rc", "vllm-0.33")
+LAYOUTS = ("vllm-ascend-0.23", "vllm-ascend-0.26rc", "vllm-0.33", "vllm-ascend-0.27")
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,13 @@ class FusedRule:
 
 FUSED_RULES = (
     FusedRule("in_proj_qkvgfab", ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj"), marker="b_proj",
-              layouts=("vllm-0.33",), split=("g_proj", "b_proj", "f_a_proj")),
+              layouts=("vllm-0.33", "vllm-ascend-0.27"), split=("g_proj", "b_proj", "f_a_proj")),
     FusedRule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa", "g_proj"), marker="q_a_proj",
               layouts=("vllm-0.33",)),  # fused_qkv_a_g_proj when the output gate is there
     FusedRule("fused_qkv", ("q_proj", "k_proj", "v_proj"), marker="b_proj", layouts=("vllm-ascend-0.26rc",),
               lookup_key=False),
     FusedRule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"), marker="q_a_proj",
-              layouts=("vllm-ascend-0.26rc",), lookup_key=False),
+              layouts=("vllm-ascend-0.26rc", "vllm-ascend-0.27"), lookup_key=False),
     FusedRule("gate_up_proj", ("gate_proj", "up_proj"), marker="gate_proj"),
 )
 

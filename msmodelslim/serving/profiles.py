@@ -68,10 +68,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         }),
     Profile(
         "vllm-ascend-0.27", "vllm-ascend 0.27 (main, v0.27.1rc1)",
-        layouts={"kimi_k3": ("vllm-0.33",), "kimi_linear": ("vllm-0.33",)},
+        layouts={"kimi_k3": ("vllm-ascend-0.27",), "kimi_linear": ("vllm-ascend-0.27",)},
         per_group_w4a8=False, kda_split=True, mtp_described=True, drafts_need_rotation_file=True,
         sources={
-            "fused layers": f"{_V027} quantization/modelslim_config.py:415-435 get_packed_modules_mapping",
+            "fused layers": f"{_V027} quantization/modelslim_config.py:415-435 get_packed_modules_mapping; the MLA "
+                            "output gate unfused: vLLM 0.27.1 models/kimi_k3/amd/linear.py:347-352,405-410",
             "KDA in_proj_qkvgfab": f"{_V027} quantization/modelslim_config.py:678-695 "
                                    "uses_kimi_k3_mixed_kda_projection; ops/kimi_kda.py:73-112",
             "per-group W4A8": f"{_V027} quantization/methods/w4a8.py:113-120 (group_size defaults to 0, > 0 "

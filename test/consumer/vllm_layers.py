@@ -125,8 +125,29 @@ V026RC = {
     ],
 }
 
+V027 = {
+    "version": "vllm-ascend 0.27 (PR #14454 at e4f0a9e5) on vLLM 0.27.1",
+    # vLLM 0.27.1's KimiLinearModel.packed_modules_mapping (nvidia/model.py:1014-1019: no fused_qkv_a_g_proj) and
+    # what vllm-ascend adds to it (quantization/modelslim_config.py:415-435: the experts, the KDA split)
+    "packed_modules_mapping": {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvgfab": ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"],
+        "conv1d": ["q_conv1d", "k_conv1d", "v_conv1d"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+        "experts": ["experts.0.w1", "experts.0.w2", "experts.0.w3"],
+        "in_proj_qkv": ["q_proj", "k_proj", "v_proj"],
+        "in_proj_gfab": ["g_proj", "f_a_proj", "b_proj"],
+    },
+    "k3_prefix_mapper": V033["k3_prefix_mapper"],
+    # vLLM 0.33's rows but the MLA's: q_a + kv_a fused with q-LoRA, the output gate a layer of its own (vLLM 0.27.1
+    # models/kimi_k3/amd/linear.py:346-353, 404-411)
+    "rows": [row for row in V033["rows"] if "fused_qkv_a" not in row[0] and not row[0].endswith("self_attn.g_proj")]
+    + [("{lm}model.layers.{i}.self_attn.fused_qkv_a_proj", "linear", "mla", "q_lora"),
+       ("{lm}model.layers.{i}.self_attn.g_proj", "linear", "mla", "mla_gate")],
+}
+
 # serving/fused.py's layout names -> the layers of that consumer class
-LAYOUTS = {"vllm-ascend-0.23": V023, "vllm-ascend-0.26rc": V026RC, "vllm-0.33": V033}
+LAYOUTS = {"vllm-ascend-0.23": V023, "vllm-ascend-0.26rc": V026RC, "vllm-0.33": V033, "vllm-ascend-0.27": V027}
 
 
 def served_specs(out, multimodal: bool) -> list[dict]:
@@ -149,6 +170,8 @@ def model_flags(text_config: dict) -> set[str]:
     flags = {"q_lora"} if q_lora else {"no_q_lora"}
     flags.add({(True, True): "q_lora_gate", (True, False): "q_lora_no_gate",
                (False, True): "no_q_lora_gate", (False, False): "no_q_lora_no_gate"}[(q_lora, gate)])
+    if gate:
+        flags.add("mla_gate")
     flags.add("full_rank_gate" if lac.get("use_full_rank_gate") else "low_rank_gate")
     if text_config.get("num_shared_experts"):
         flags.add("shared")

@@ -173,17 +173,19 @@ class KimiLayout:
         return READS_ROUTED_EXPERTS_RE.search(live_name) is not None
 
     def lookup_aliases(self, name: str) -> list[str]:
-        """vLLM's Kimi-K3 MTP drafter builds layer N+k's decoder block at `model.layers.{N+k}.mtp_block.` (vllm 0.33
-        `models/kimi_k3/nvidia/mtp.py:426-457`), and vllm-ascend 0.23 maps neither `language_model.` nor `.mtp_block.`
-        away for it (`modelslim_config.py:306-333` strips `.mtp_block.` for step3p5 only): its lookups find the MTP
-        layer's entries under these names."""
+        """The names under which an MTP drafter looks up layer N+k's entries, where they differ from ours
+        (`language_model.model.layers.{N+k}.`): vllm-ascend 0.27's `AscendKimiK3MTP` builds the layer at
+        `model.layers.{N+k}.` (PR #14454 `models/kimi_k3_mtp.py:49-53,69`; bench/consumer_k3.py loads it) and vLLM
+        0.33's drafter its decoder block at `model.layers.{N+k}.mtp_block.` (`models/kimi_k3/nvidia/mtp.py:426-457`);
+        neither maps `language_model.` (nor `.mtp_block.`) away for the lookups (vllm-ascend's
+        `modelslim_config.py:306-333` strips `.mtp_block.` for step3p5 only)."""
         match = re.match(rf"{re.escape(self.lm_prefix)}model\.layers\.(\d+)\.(.+)$", name)
         if not match or int(match.group(1)) < self.num_layers:
             return []
         index, rest = match.groups()
         block = "" if rest.split(".")[0] in _MTP_OWN else "mtp_block."
-        alias = f"model.layers.{index}.{block}{rest}"
-        return [alias] if alias != name else []  # a text-only checkpoint already names them so
+        aliases = dict.fromkeys((f"model.layers.{index}.{rest}", f"model.layers.{index}.{block}{rest}"))
+        return [alias for alias in aliases if alias != name]  # a text-only checkpoint already names them so
 
     # --- maps --------------------------------------------------------------------------------------------------
     def quarot_plan(self, unit: Unit, module: nn.Module) -> Any:
