@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from msmodelslim.processor.base import Processor
+from msmodelslim.processor.fa3_quant import FA3QuantProcessor
 from msmodelslim.processor.linear_quant import LinearQuantConfig, LinearQuantProcessor, select
 from msmodelslim.serving.linear_plan import LinearPlan, PlanEntry, PlannedLinear
 
@@ -47,7 +48,7 @@ def linear_plan(processors: list[Processor], adapter: Any, fallback: Fallback = 
             if index not in used:
                 logger.info("spec.fallback: every linear of the linear_quant %s entry fell back to FLOAT; it "
                             "quantizes nothing", entries[index].scheme)
-    return LinearPlan(entries, linears)
+    return LinearPlan(entries, linears, fa3=any(isinstance(p, FA3QuantProcessor) for p in processors))
 
 
 def report_native_mxfp4(processors: list[Processor], plan: LinearPlan, adapter: Any) -> None:

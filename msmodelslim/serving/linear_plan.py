@@ -47,6 +47,7 @@ class PlannedLinear:
 class LinearPlan:
     entries: tuple[PlanEntry, ...]
     linears: dict[str, PlannedLinear]  # in the model's order
+    fa3: bool = False  # the practice quantizes attentions too (fa3_quant: FA3 scales beside the linears)
 
     def entry_of(self, name: str) -> PlanEntry | None:
         index = self.linears[name].entry

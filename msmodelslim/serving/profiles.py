@@ -8,7 +8,8 @@ refuses at load. Each rule carries where it was read (docs/dev/facts/vllm_ascend
 - `vllm-ascend-0.27`: `main`, release v0.27.1rc1 (PR #14454). KDA q/k/v/g/f_a/b are vLLM's packed `in_proj_qkvgfab`:
   all six of one type, or q/k/v of one quantized type with g/f_a/b FLOAT (split at load); W4A8 MoE per channel
   only; MTP layers are built with the quant config, so their linears need description keys; drafts stay aligned
-  with a rotated residual only through the description's `optional.quarot.rotation_map.global_rotation` file.
+  with a rotated residual only through the description's `optional.quarot.rotation_map.global_rotation` file; the
+  FA3 scales of a quantized attention do not load (its cache-scale mapper is applied twice).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Profile:
     kda_split: bool  # in_proj_qkvgfab also loads as q/k/v quantized + g/f_a/b FLOAT
     mtp_described: bool  # MTP layers are built with the quant config (their linears need keys)
     drafts_need_rotation_file: bool  # drafts are anti-rotated only through the global_rotation file
+    loads_fa3: bool  # the FA3 scales of a quantized attention (fa3_quant) reach their parameters
     sources: dict[str, str] = field(default_factory=dict)  # rule -> where it was read
 
     def layouts_for(self, model_type: str | None) -> tuple[str, ...]:
@@ -57,7 +59,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(
         "vllm-ascend-0.26", "vllm-ascend releases/v0.26.0rc (vLLM 0.26)",
         layouts={"kimi_k3": ("vllm-ascend-0.26rc",), "kimi_linear": ("vllm-ascend-0.23",)},
-        per_group_w4a8=True, kda_split=False, mtp_described=False, drafts_need_rotation_file=False,
+        per_group_w4a8=True, kda_split=False, mtp_described=False, drafts_need_rotation_file=False, loads_fa3=True,
         sources={
             "fused layers": f"{_V026} vllm_ascend/models/kimi_k3.py:1261-1266, ops/kimi_kda.py:179-203",
             "per-group W4A8": f"{_V026} quantization/methods/w4a8.py:356-358 (group_size defaults to 256; "
@@ -69,7 +71,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(
         "vllm-ascend-0.27", "vllm-ascend 0.27 (main, v0.27.1rc1)",
         layouts={"kimi_k3": ("vllm-ascend-0.27",), "kimi_linear": ("vllm-ascend-0.27",)},
-        per_group_w4a8=False, kda_split=True, mtp_described=True, drafts_need_rotation_file=True,
+        per_group_w4a8=False, kda_split=True, mtp_described=True, drafts_need_rotation_file=True, loads_fa3=False,
         sources={
             "fused layers": f"{_V027} quantization/modelslim_config.py:415-435 get_packed_modules_mapping; the MLA "
                             "output gate unfused: vLLM 0.27.1 models/kimi_k3/amd/linear.py:347-352,405-410",
@@ -80,6 +82,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "MTP": f"{_V027} models/kimi_k3_mtp.py:42-75 (decoder layers and SharedHead built with quant_config)",
             "rotation file": f"{_V027} models/llama_eagle3.py:28-38 get_rotation_path, "
                              "spec_decode/llm_base_proposer.py:278-313 (no key: no draft alignment)",
+            "FA3": f"{_V027} quantization/modelslim_config.py:655-665 get_cache_scale_mapper (plain suffixes, e.g. "
+                   ".fa_k.offset -> .mla_attn.mla_attn.fa_k.offset), which vLLM 0.27.1's AutoWeightsLoader applies at "
+                   "every level that holds the quant config (model_executor/models/utils.py:409-416: twice), so no "
+                   "stored FA3 name reaches its parameter (bench/consumer_k3.py: load_weights KeyError)",
         }),
 )}
 DEFAULT_TARGET = "vllm-ascend-0.27"  # the newest line

@@ -51,7 +51,7 @@ def refusal(target: Profile, plan: LinearPlan, adapter: Any) -> UserError | None
 
 
 def _first_refusal(target: Profile, plan: LinearPlan, groups: Groups) -> UserError | None:
-    for rule in (_fused, _served, _group_sizes):
+    for rule in (_fused, _served, _group_sizes, _attentions):
         try:
             rule(target, groups, plan=plan)
         except UserError as exc:
@@ -134,6 +134,14 @@ def _served(target: Profile, groups: Groups, plan: LinearPlan) -> None:
             raise UserError(f"spec.process: {name} has {linear.in_features} inputs, which {entry.scheme}"
                             f"{'' if is_mx else f' per group of {multiple}'} needs in multiples of {multiple}; "
                             f"exclude it from that linear_quant entry")
+
+
+def _attentions(target: Profile, groups: Groups, plan: LinearPlan) -> None:
+    """FA3 scales only where the engine loads them (vllm-ascend 0.27 maps their names twice: serving/profiles.py)."""
+    if plan.fa3 and not target.loads_fa3:
+        raise UserError(f"spec.process: fa3_quant writes FA3 scales, which {target.name} cannot load (its "
+                        f"cache-scale name mapper runs twice, so no stored name reaches its parameter); leave "
+                        f"fa3_quant out")
 
 
 def _group_sizes(target: Profile, groups: Groups, plan: LinearPlan) -> None:

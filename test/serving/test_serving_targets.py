@@ -86,3 +86,32 @@ def test_the_quarot_kda_layout_is_written_for_0_27_as_its_loader_accepts_it(tiny
         assert f"{attention}.in_proj_qkvgfab.weight" not in description  # a split layer is looked up by its shards
     practice_copy = yaml.safe_load(next((tmp_path / "out").glob("*_best_practice.yaml")).read_text())
     assert practice_copy["spec"].get("target") is None  # nothing was overridden: the practice's own bytes
+
+
+def test_fa3_scales_are_written_only_for_the_target_that_loads_them(tiny_k3_checkpoint, tmp_path):
+    """vllm-ascend 0.27 maps the FA3 scales' names twice (serving/profiles.py; bench/consumer_k3.py met the KeyError):
+    the shipped W4A8C8 practice names vllm-ascend-0.26, and asked for 0.27 it is refused before compute in one line
+    naming the rule and the target that loads it."""
+    from msmodelslim.errors import UserError
+
+    c8 = shrunken_practice(REPO / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8c8.yaml", tmp_path / "c8.yaml",
+                           max_samples=2, max_seq_len=32, plain_numerics=True)
+    result = plan(args(tiny_k3_checkpoint, tmp_path / "out", c8, None))
+    assert result["target"]["chosen"] == "vllm-ascend-0.26"
+    assert result["target"]["verdicts"]["vllm-ascend-0.26"].startswith("loads")
+    assert "fa3_quant writes FA3 scales, which vllm-ascend-0.27 cannot load" in \
+        result["target"]["verdicts"]["vllm-ascend-0.27"]
+    with pytest.raises(UserError, match=r"fa3_quant .* vllm-ascend-0.27 cannot load .*; --target vllm-ascend-0.26 "
+                                        r"loads it$"):
+        plan(args(tiny_k3_checkpoint, tmp_path / "out", c8, "vllm-ascend-0.27"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_mla_output_gate_apart_from_q_a_and_kv_a_loads_under_0_27(tiny_k3_checkpoint, tmp_path):
+    """vLLM 0.27.1's MLA fuses q_a + kv_a only, its output gate is a layer of its own (models/kimi_k3/amd/linear.py
+    :346-353, 404-411): the upstream practice (q_a / kv_a W8A8, the MLA gate FLOAT) loads there, as
+    bench/consumer_k3.py measured with 0.27's own class."""
+    upstream = shrunken_practice(REPO / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8_upstream.yaml",
+                                 tmp_path / "upstream.yaml", max_samples=2, max_seq_len=32, plain_numerics=True)
+    verdicts = plan(args(tiny_k3_checkpoint, tmp_path / "out", upstream, "vllm-ascend-0.27"))["target"]["verdicts"]
+    assert verdicts["vllm-ascend-0.27"].startswith("loads"), verdicts
