@@ -2,7 +2,8 @@
 docs/dev/facts/vllm_ascend_0.27_kimi_k3.md (written out again here, not imported from msmodelslim/serving/): no
 W4A8_DYNAMIC outside the routed experts and none per group; each KDA attention's six packed shards of one type, or
 q/k/v of one quantized type with g/f_a/b FLOAT; every MTP layer's linears and lm_head described (MTP blocks are
-built with the quant config); a rotated residual's `global_rotation` file named and present. Exact: strings.
+built with the quant config); a rotated residual's `global_rotation` file named and present; no FA3 scales. Exact:
+strings.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def test_every_output_for_0_27_holds_what_its_loader_requires(outputs):
             types = {p: description[f"{attention}.{p}.weight"] for p in KDA if f"{attention}.{p}.weight" in description}
             assert kda_types_load(types), f"{where}: {attention} {types}"
         assert any(k.endswith("lm_head.weight") for k in description), where
+        # its cache-scale mapper runs twice: no FA3 scale would load (bench/consumer_k3.py)
+        assert "fa_quant_type" not in description and not any(".fa_" in n for n in weights), where
         first, count = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
         mtp = [n for n in weights if any(f"layers.{first + k}." in n for k in range(count))]
         assert bool(mtp) == bool(count) and all(n in description for n in mtp), where
