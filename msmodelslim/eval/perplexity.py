@@ -173,11 +173,11 @@ ORIGINAL, QUANTIZED = "orig", "quant"
 class ModelPair:
     """The original checkpoint and the AscendV1 output as one model the layer-wise runner drives
     (pipeline/layer_wise.py, with `EvalHook`): each text unit twice, the original's then the output's (the runner
-    holds a unit and the next one, as in a quantization run); the head both, side by side, giving each window's losses, KL and top-1 agreement in place of the logits. A sample's
-    state is one window's token ids and its two states {"window": ids, "orig": ..., "quant": ...} (the quantized one
-    alone with `variants`). The MTP
-    layers the output holds are loaded, so their quantized linears are simulated and checked, and not forwarded:
-    perplexity reads the head."""
+    holds a unit and the next one, as in a quantization run); the head both, side by side, giving each window's
+    losses, KL and top-1 agreement in place of the logits. A sample's state is one window's token ids and its two
+    states {"window": ids, "orig": ..., "quant": ...} (the quantized one alone with `variants`). The MTP layers the
+    output holds are loaded, so their quantized linears are simulated and checked, and not forwarded: perplexity
+    reads the head."""
 
     def __init__(self, adapter: ModelAdapter, reader: AscendV1Reader, compute_dtype: torch.dtype,
                  variants: Sequence[str]) -> None:

@@ -73,8 +73,8 @@ class UnitHook:
         The last unit, whose outputs feed nothing, is forwarded for them alone, over those samples."""
         return None
 
-    def observed(self, run: LayerWiseRunner, unit: Unit, stats: Stats) -> None:
-        """What `observe` asked, reduced over ranks."""
+    def observed(self, run: LayerWiseRunner, unit: Unit, module: nn.Module, stats: Stats) -> None:
+        """What `observe` asked of `module`, reduced over ranks."""
 
     def propagated(self, run: LayerWiseRunner, index: int, unit: Unit, last: bool) -> None:
         """After that forward (or, on the last unit, where it would be)."""
@@ -122,7 +122,6 @@ class ReportHook(UnitHook):
 
     def __init__(self, report: QuantReport) -> None:
         self.report = report
-        self._module: nn.Module | None = None
         if report.impact is not None:
             self.keep_replaced = report.impact.keep
 
@@ -130,13 +129,11 @@ class ReportHook(UnitHook):
         return self.report.impact
 
     def observe(self, unit: Unit, module: nn.Module) -> Observe | None:
-        self._module = module
         return self.report.request(module)
 
-    def observed(self, run: LayerWiseRunner, unit: Unit, stats: Stats) -> None:
+    def observed(self, run: LayerWiseRunner, unit: Unit, module: nn.Module, stats: Stats) -> None:
         with run.stage("report"):
-            self.report.finish_unit(unit, self._module, stats.quant_error)
-        self._module = None
+            self.report.finish_unit(unit, module, stats.quant_error)
 
     def finish_rank(self) -> None:
         self.report.finish_rank()
@@ -159,10 +156,6 @@ class SpillHook(UnitHook):
 
     def start_keeping(self) -> None:
         self._kept = 0
-
-    def reads_outputs(self, unit: Unit) -> bool:
-        """Whether `keep` reads this unit's outputs even where it is the last unit (whose outputs feed nothing)."""
-        return False
 
     def keep(self, run: LayerWiseRunner, step: int, state: Any) -> Any:
         self._kept += state_bytes(state)

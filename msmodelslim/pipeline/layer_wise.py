@@ -284,7 +284,7 @@ class LayerWiseRunner:
                     self._run_samples(unit, module, states, keep=False, only=only)
             observed = [(hook, finished(ctx, request_kinds)) for (hook, _), request_kinds in zip(asked, kinds)]
         for hook, stats in observed:
-            hook.observed(self, unit, stats)
+            hook.observed(self, unit, module, stats)
         for hook in self.hooks:
             hook.propagated(self, index, unit, last)
         return states

@@ -421,7 +421,7 @@ class ReadsTheForward(UnitHook):
     def observe(self, unit: Unit, module: nn.Module) -> Observe:
         return Observe(absmax=("a",), tokens=self.tokens)
 
-    def observed(self, run: Any, unit: Unit, stats: Stats) -> None:
+    def observed(self, run: Any, unit: Unit, module: nn.Module, stats: Stats) -> None:
         self.stats = stats
 
 
