@@ -99,10 +99,15 @@ class UnitHook:
 
 
 class SaveHook(UnitHook):
-    """The savers (processor/save/): each unit written as it is done, the shards merged at the end."""
+    """The savers (processor/save/): each unit written as it is done (with `behind`, by a background thread while
+    the next unit computes: a full-size Kimi-K3 unit's shards are ~2 GB to write and make durable), the shards
+    merged at the end."""
 
-    def __init__(self, savers: Sequence[Any]) -> None:
+    def __init__(self, savers: Sequence[Any], behind: bool = False) -> None:
         self.savers = list(savers)
+        if behind:
+            for saver in self.savers:
+                saver.write_behind()
 
     def save_unit(self, unit: Unit, module: nn.Module) -> None:
         for saver in self.savers:
@@ -115,6 +120,10 @@ class SaveHook(UnitHook):
     def publish(self, metadata: dict[str, Any], extras: Any) -> None:
         for saver in self.savers:
             saver.merge(metadata, extras)
+
+    def close(self) -> None:
+        for saver in self.savers:
+            saver.close()
 
 
 class ReportHook(UnitHook):
@@ -228,13 +237,21 @@ class ResumeHook(UnitHook):
             "processors": [processor.resume_state() for processor in run.processors],
             "report": None if self.report is None else self.report.resume_state(),
         }
-        shards = {file: digest for saver in self.savers for file, digest in saver.written_files().items()}
+        shards_written = [future for saver in self.savers for future in saver.in_flight()]
+
+        def write() -> None:
+            for future in shards_written:  # the shards this state counts are durable before it is
+                future.result()
+            shards = {file: digest for saver, state in zip(self.savers, snapshot["savers"], strict=True)
+                      for file, digest in saver.written_files(state).items()}
+            self.resume.save(rank, index, snapshot, shards)
+
         if run.background:
             if self.writer is None:
                 self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resume-state")
-            self._writing = self.writer.submit(self.resume.save, rank, index, snapshot, shards)
+            self._writing = self.writer.submit(write)
         else:
-            self.resume.save(rank, index, snapshot, shards)
+            write()
 
     def _wait(self) -> None:
         """The write in flight, finished (its failure raised here)."""
@@ -267,13 +284,14 @@ class ProfileHook(UnitHook):
 
 def service_hooks(savers: Sequence[Any] = (), report: QuantReport | None = None, resume: ResumeState | None = None,
                   resume_after: int | None = None, resume_every: int = 1, spill: StateSpill | None = None,
-                  profiler: PassProfiler | None = None) -> list[UnitHook]:
+                  profiler: PassProfiler | None = None, background: bool = False) -> list[UnitHook]:
     """The hooks of a quantization run, in the order their points must run: the resumable state is invalidated
-    before the savers merge; the savers write a unit before the report's rank part."""
+    before the savers merge; the savers write a unit before the report's rank part. With `background` the savers
+    write behind the compute (the runner's `background`: off on a CPU device, whose cores the compute needs)."""
     hooks: list[UnitHook] = []
     if resume is not None:
         hooks.append(ResumeHook(resume, resume_after, resume_every, savers, report, spill))
-    hooks.append(SaveHook(savers))
+    hooks.append(SaveHook(savers, behind=background))
     if report is not None:
         hooks.append(ReportHook(report))
     if spill is not None:

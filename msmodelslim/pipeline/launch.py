@@ -92,7 +92,7 @@ class QuantRequest:
     adapter_cls: type[ModelAdapter]
     practice: Any  # core.config.PracticeConfig
     trust_remote_code: bool
-    background: bool = True  # load the next unit and write the resumable state behind the compute
+    background: bool = True  # load the next unit, write the shards and the resumable state behind the compute
     records: list[Any] | None = None  # calibration records, already loaded and checked by the app
     source: dict[str, str] | None = None  # source.checkpoint.source_identity of model_path, when the app has it
     # what the ranks remove should the main process die without cleaning up (the app's lock file)
@@ -100,6 +100,15 @@ class QuantRequest:
     ascend_check: bool = False  # MSMODELSLIM_ASCEND_CHECK of the launching process (ranks may start elsewhere)
     resume_after: int | None = None  # continue after this unit from the state kept in work_dir
     report_only: bool = False  # `msmodelslim analyze`: the quant report alone, no weights, no resumable state
+
+
+def background_threads(request: QuantRequest, device: torch.device) -> bool:
+    """Whether the run loads the next unit and writes its shards and resumable state in background threads.
+
+    On a CPU device a background thread competes with the compute for the same cores, which stalls torch's
+    intra-op threads: on the 2-core host the background load made a run 3x slower to hide 0.2 s of load, and the
+    background resumable-state write cost ~3 s of a 32 s run where writing in line costs ~1 s."""
+    return request.background and device.type != "cpu"
 
 
 def _free_port() -> int:
@@ -196,10 +205,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         steps = math.ceil(len(samples) / world)
         mine = split_samples(samples, rank, world)
         savers = [] if request.report_only else [step.build(adapter, request.work_dir, dist) for step in spec.save]
-        # On a CPU device a background thread competes with the compute for the same cores, which stalls torch's
-        # intra-op threads: on the 2-core host the background load made a run 3x slower to hide 0.2 s of load, and
-        # the background resumable-state write cost ~3 s of a 32 s run where writing in line costs ~1 s.
-        background = request.background and device.type != "cpu"
+        background = background_threads(request, device)
         report = None if os.environ.get(NO_REPORT_ENV) == "1" and not request.report_only else \
             QuantReport(adapter, dist, request.source or source_identity(request.model_path), request.work_dir,
                         tokens=spec.report_tokens,
@@ -210,7 +216,8 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         spill = StateSpill(resume.root / f"rank{rank}" / "spill" if resume else request.work_dir / SPILL_DIR / f"rank{rank}",
                            host_budget(torchrun.local_world_size if torchrun else world))
         profiler = pass_profiler(device)
-        hooks = service_hooks(savers, report, resume, request.resume_after, spec.resume_every, spill, profiler)
+        hooks = service_hooks(savers, report, resume, request.resume_after, spec.resume_every, spill, profiler,
+                              background)
         runner = LayerWiseRunner(adapter, processors, hooks, dist, Schedule(steps, place_tokens(samples), plan),
                                  background)
         start = time.perf_counter()

@@ -161,25 +161,59 @@ def test_a_failure_after_the_merge_leaves_no_state_that_claims_to_be_resumable(t
     assert "can be resumed" not in capsys.readouterr().err
 
 
+def test_shards_written_behind_the_compute_give_the_same_output_and_states_that_count_durable_shards(
+        tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
+    """With background threads (an accelerator's run; forced here on the CPU) each unit's shards are written and
+    made durable by the saver's writer thread while the next unit computes. Reference: the in-line run's output, byte
+    for byte; and every resumable state counts only shards on disk whose checksum, read back, is the one it records."""
+    from msmodelslim.core.files import file_checksum
+    from msmodelslim.pipeline import launch
+
+    writers, counted = set(), []
+    real_write, real_save = AscendV1Saver._write, ResumeState.save
+
+    def write(self, tensors, entry):
+        writers.add(threading.current_thread().name)
+        real_write(self, tensors, entry)
+
+    def save(self, rank, unit, state, shards):
+        assert all(file_checksum(self.work_dir / name) == digest for name, digest in shards.items())
+        counted.append(len(shards))
+        real_save(self, rank, unit, state, shards)
+
+    monkeypatch.setattr(launch, "background_threads", lambda request, device: True)
+    monkeypatch.setattr(AscendV1Saver, "_write", write)
+    monkeypatch.setattr(ResumeState, "save", save)
+    assert main(command(tiny_k3_checkpoint, tmp_path / "out", "cpu", practice)) == 0
+    assert writers and all(name.startswith("shard-writer") for name in writers), writers
+    assert counted and counted[-1] > counted[0] > 0  # the last state counts every shard of the rank
+    assert_same_files(reference("cpu"), tmp_path / "out")
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["written in line", "written behind the compute"])
 def test_a_disk_full_mid_run_is_one_line_keeps_the_state_and_resumes(tiny_k3_checkpoint, practice, reference,
-                                                                      tmp_path, monkeypatch, capsys):
-    # the saver's write of layers.2 fails the way safetensors reports a full disk, and the file system then shows
-    # no free space (a stand-in: this host's disk is not filled). Reference: one error line, exit 2, the state kept,
-    # and --resume (with space again) gives the uninterrupted output.
+                                                                      tmp_path, monkeypatch, capsys, behind):
+    # the saver's write of layers.2 fails the way safetensors reports a full disk (in line, or in the writer thread
+    # of a run with background threads), and the file system then shows no free space (a stand-in: this host's disk
+    # is not filled). Reference: one error line, exit 2, the state kept, and --resume (with space again) gives the
+    # uninterrupted output.
     import shutil as shutil_mod
+
+    from msmodelslim.pipeline import launch
 
     save = tmp_path / "out"
     args = command(tiny_k3_checkpoint, save, "cpu", practice)
-    real_usage, real_flush, full = shutil_mod.disk_usage, AscendV1Saver._flush, []
+    real_usage, real_write, full = shutil_mod.disk_usage, AscendV1Saver._write, []
 
-    def flush(self):
-        if self._pending and any(".layers.2." in name for name in self._pending):
+    def write(self, tensors, entry):
+        if any(".layers.2." in name for name in tensors):
             full.append(True)
             raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
-        real_flush(self)
+        real_write(self, tensors, entry)
 
+    monkeypatch.setattr(launch, "background_threads", lambda request, device: behind)
     with monkeypatch.context() as patch:
-        patch.setattr(AscendV1Saver, "_flush", flush)
+        patch.setattr(AscendV1Saver, "_write", write)
         patch.setattr(shutil_mod, "disk_usage", lambda p: real_usage(p)._replace(free=0) if full else real_usage(p))
         line = refused(args, capsys)
     assert re.search(r"the file system of \S+\.out\.partial is full \(0 MiB free\) after RuntimeError: Error "

@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,7 +276,10 @@ class AscendV1Saver(Saver):
         self._fused_groups = adapter.target.lookup_groups(adapter)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._files: list[dict[str, Any]] = []  # {"file", "names", "bytes"} per written temporary shard
+        # {"file", "names", "bytes", "checksum"} per temporary shard; "checksum" is set once the shard is durable
+        self._files: list[dict[str, Any]] = []
+        self._writer: ThreadPoolExecutor | None = None  # with write_behind: the shards' writes, in order
+        self._writing: list[Future] = []
         self._description: dict[str, str] = {}
         self._attention: dict[str, dict[str, list[str]]] = {}  # attention -> point -> [dtype, scope]
         self._group_sizes: set[int] = set()  # of the QuantLinears written (MX: 32)
@@ -309,11 +312,30 @@ class AscendV1Saver(Saver):
         return {"files": list(self._files), "description": dict(self._description),
                 "attention": {k: dict(v) for k, v in self._attention.items()}, "group_sizes": sorted(self._group_sizes)}
 
-    def written_files(self) -> dict[str, str]:
-        return {entry["file"]: entry["checksum"] for entry in self._files}
+    def written_files(self, state: dict[str, Any]) -> dict[str, str]:
+        return {entry["file"]: entry["checksum"] for entry in state["files"]}
+
+    def write_behind(self) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+
+    def in_flight(self) -> list[Future]:
+        self._writing = [f for f in self._writing if not f.done() or f.exception() is not None]
+        return list(self._writing)
+
+    def _wait_written(self) -> None:
+        """Every shard handed to the writer, durable (the first failure raised)."""
+        writing, self._writing = self._writing, []
+        for future in writing:
+            future.result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        self._files = list(state["files"])
+        self._files = [dict(entry) for entry in state["files"]]
         self._description = dict(state["description"])
         self._attention = {k: dict(v) for k, v in state["attention"].items()}
         self._group_sizes = set(state.get("group_sizes", ()))  # absent in the state of an earlier version
@@ -397,22 +419,34 @@ class AscendV1Saver(Saver):
         self._description[name] = qtype
 
     def _flush(self) -> None:
+        """The buffered tensors as the next shard: written here, or with `write_behind` by the writer thread while
+        the next unit computes (the tensors are host copies no one changes; a unit's shards are on disk before the
+        resumable state that counts them is written, pipeline/hooks.py)."""
         if not self._pending:
             return
-        file = _TMP_SHARD.format(rank=self.dist.rank, part=len(self._files))
-        path = self.work_dir / file
-        save_file(self._pending, str(path), metadata={"format": "pt"})
+        for failed in (f for f in self.in_flight() if f.done()):  # a shard the writer could not write: stop here
+            failed.result()
+        entry = {"file": _TMP_SHARD.format(rank=self.dist.rank, part=len(self._files)), "names": sorted(self._pending),
+                 "bytes": self._pending_bytes}
+        self._files.append(entry)
+        tensors, self._pending, self._pending_bytes = self._pending, {}, 0
+        if self._writer is None:
+            self._write(tensors, entry)
+        else:
+            self._writing.append(self._writer.submit(self._write, tensors, entry))
+
+    def _write(self, tensors: dict[str, torch.Tensor], entry: dict[str, Any]) -> None:
+        path = self.work_dir / entry["file"]
+        save_file(tensors, str(path), metadata={"format": "pt"})
         # durable before a unit's state counts it as written; the checksum is taken from memory meanwhile (both
         # let go of the interpreter: a shard's fsync and its CRC cost about as much, ~1 s per GB each)
         with open(path, "rb") as written, ThreadPoolExecutor(1) as pool:
             durable = pool.submit(os.fsync, written.fileno())
-            checksum = safetensors_checksum(path, self._pending)
+            checksum = safetensors_checksum(path, tensors)
             durable.result()
-        self._files.append({"file": file, "names": sorted(self._pending), "bytes": self._pending_bytes,
-                            "checksum": checksum})
-        logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, file, len(self._pending),
-                     self._pending_bytes / GIB)
-        self._pending, self._pending_bytes = {}, 0
+        entry["checksum"] = checksum
+        logger.debug("rank %d wrote %s (%d tensors, %.2f GiB)", self.dist.rank, entry["file"], len(tensors),
+                     entry["bytes"] / GIB)
 
     # --- finish ----------------------------------------------------------------------------------------------
     def finish_rank(self) -> None:
@@ -420,6 +454,7 @@ class AscendV1Saver(Saver):
             raise RuntimeError("AscendV1Saver finished twice")
         self._finalized = True
         self._flush()
+        self._wait_written()
         partial = {"rank": self.dist.rank, "files": self._files, "description": self._description,
                    "attention": self._attention, "group_sizes": sorted(self._group_sizes)}
         with open(self.work_dir / _PARTIAL.format(rank=self.dist.rank), "w", encoding="utf-8") as f:

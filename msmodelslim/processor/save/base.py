@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,10 +60,21 @@ class Saver(ABC):
     def restore_state(self, state: dict[str, Any]) -> None:
         """Continue from `resume_state()`'s value, dropping anything this rank wrote after it."""
 
-    def written_files(self) -> dict[str, str]:
-        """The files this rank has written so far (relative to the work dir) -> their checksum: the resumable state
-        records them with every unit and `--resume` checks them."""
+    def written_files(self, state: dict[str, Any]) -> dict[str, str]:
+        """The files a `resume_state()` value counts (relative to the work dir) -> their checksum, once `in_flight()`
+        of that moment is done: the resumable state records them with every unit and `--resume` checks them."""
         return {}
+
+    def write_behind(self) -> None:
+        """From now on write files in a background thread while the next unit computes (`in_flight()` says which
+        writes are not known done; `finish_rank()` waits for them all). Without it, in line."""
+
+    def in_flight(self) -> list[Future]:
+        """The writes handed to the background thread and not yet waited for (a failure is raised by its result)."""
+        return []
+
+    def close(self) -> None:
+        """The run ended, done or failed: no write of this saver left running."""
 
     @abstractmethod
     def merge(self, metadata: dict[str, Any], extras: Any = None) -> None:
