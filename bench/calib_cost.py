@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--tree", default=None, help="run the runner of this copy of the package")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
+    if len(set(sizes)) < 2:  # the cost of a token is the slope between sizes
+        p.error(f"--tokens: two or more different sizes are needed for a cost per token, got {args.tokens!r}")
     variants = [None] if args.resume_every is None else [int(v) for v in args.resume_every.split(",")]
     rows: dict[int | None, list[dict]] = {v: [] for v in variants}
     forwards: list[tuple[int, float]] = []

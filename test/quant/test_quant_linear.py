@@ -57,6 +57,30 @@ def test_a_cpu_product_in_row_pieces_has_the_bytes_of_the_whole_product():
     assert torch.equal(ql(x), whole.to(torch.bfloat16).view(3, -1, 48))
 
 
+@pytest.mark.parametrize("scheme, inputs", [("W4A8_DYNAMIC", 4096), ("W8A8_DYNAMIC", 512), ("W8A8_DYNAMIC", 4096)],
+                         ids=["W4A8 float32", "W8A8 narrow float32", "W8A8 wide float64"])
+def test_the_cpu_float_product_of_integers_is_the_exact_integer_gemm(scheme, inputs):
+    """The CPU multiplies the integers as floats (float64 where a sum can pass 2^24: W8A8 over 1,024 inputs).
+    Reference: torch's int32 GEMM of the same integers, each row of one sign and near the end of its range, so the
+    sums are as large as they get (W8A8 at 4,096 inputs: ~6e7, where float32 holds integers up to 1.7e7); tolerance
+    none (the product before the scales, and the output, bit for bit)."""
+    from msmodelslim.quant.modules import _integer_matmul, integer_weight
+
+    def near_the_end(rows: int, top: int, g: torch.Generator) -> torch.Tensor:
+        sign = torch.randint(0, 2, (rows, 1), generator=g) * 2 - 1
+        return (sign * torch.randint(top - top // 4, top + 1, (rows, inputs), generator=g)).to(torch.int8)
+
+    g = torch.Generator().manual_seed(5)
+    ql = QuantLinear.from_linear(nn.Linear(inputs, 32, bias=False), scheme, weight_method="minmax")
+    ql.qweight.copy_(near_the_end(32, 7 if scheme.startswith("W4") else 127, g))
+    qx = near_the_end(64, 127, g)
+    exact = torch._int_mm(qx, ql.qweight.t()).to(torch.float32)
+    product = _integer_matmul(qx, integer_weight(ql.qweight, 8, ql.scheme.weight.bits))
+    assert torch.equal(product, exact)
+    sx = torch.rand(64, 1, generator=g) + 0.5
+    assert torch.equal(ql.integer_product(qx, sx), exact * sx * ql.weight_scale.t())
+
+
 def test_ssz_weights_use_ssz_scales_and_stay_in_int4_range():
     torch.manual_seed(1)
     lin = nn.Linear(64, 16, bias=False)
