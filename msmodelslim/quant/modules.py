@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from msmodelslim.core.device import tensor_core_fp32_matmuls
+from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.functional import (
     CPU_PIECE_ROWS,
     dequantize,
@@ -238,6 +239,9 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
     return dequantize(qweight, scale, dtype=dtype)
 
 
+CPU_FLOAT64_PRODUCT = "the CPU's exact float64 product of wide W8A8 rows; an NPU multiplies in float32"
+
+
 def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> torch.Tensor:
     """The integers of `qweight` [out, in] as `_integer_matmul` multiplies by them. On the CPU in a float type whose
     GEMM is exact for these bit widths, as the deployed int8 GEMM is: every partial sum of qx * q is an integer of
@@ -248,14 +252,16 @@ def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> to
     which hold 8-bit integers exactly: exact while the sums stay below 2^24 (always for W4A8; W8A8 rows over ~1000
     inputs can round in the last bits)."""
     if qweight.device.type == "cpu" and qweight.shape[-1] << (act_bits - 1 + weight_bits - 1) > 1 << 24:
-        return qweight.to(torch.float64)
+        with not_on_npu(CPU_FLOAT64_PRODUCT):
+            return qweight.to(torch.float64)
     return qweight.to(torch.float32)
 
 
 def _integer_matmul(qx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """qx @ weight^T as float32, of int8 qx and `integer_weight`'s weight."""
     if qx.device.type == "cpu":
-        return (qx.to(weight.dtype) @ weight.t()).to(torch.float32)
+        with not_on_npu(CPU_FLOAT64_PRODUCT):
+            return (qx.to(weight.dtype) @ weight.t()).to(torch.float32)
     with tensor_core_fp32_matmuls(qx.device):
         return qx.to(torch.float32) @ weight.t()
 
