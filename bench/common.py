@@ -8,6 +8,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,22 @@ def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return slope, mean_y - slope * mean_x
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: bool = False) -> tuple[float, object]:
+    """(the best wall time of `fn()` over `repeats` calls, each synchronized on `device`; its last result), after
+    one untimed call with `warmup`."""
+    from msmodelslim.core.device import synchronize
+
+    out = fn() if warmup else None
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
 
 
 def print_result(result: dict) -> None:

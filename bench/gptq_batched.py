@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, print_result  # noqa: E402
-from msmodelslim.core.device import synchronize  # noqa: E402
+from bench.common import machine, print_result, timed  # noqa: E402
 from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQ_BATCH_BYTES, GPTQ_BATCH_BYTES_CPU, gptq_quantize  # noqa: E402
 from msmodelslim.quant.granularity import int4  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
@@ -77,19 +75,6 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> torch
     return torch.einsum("bri,bij,brj->b", dw, h, dw)
 
 
-def timed(fn, device: torch.device, repeats: int):
-    """(the best wall time over `repeats` after one untimed call, the last result)."""
-    result = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        result = fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best, result
-
-
 def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device: torch.device, theirs, qargs,
             seed: int) -> tuple[dict, dict, int]:
     """(seconds per implementation, output error relative to RTN per implementation, batches) for one shape."""
@@ -99,13 +84,13 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
     batches = [slice(s, min(s + per_batch, args.experts)) for s in range(0, args.experts, per_batch)]
     n = torch.full((args.experts,), args.tokens)
     t_ours, quantized = timed(lambda: [quantize_weight(w[b], int4, "gptq", hessian=h[b], tokens=n[b])
-                                       for b in batches], device, args.repeats)
+                                       for b in batches], device, args.repeats, warmup=True)
     scale = torch.cat([s for _, s in quantized])
     t_loop, _ = timed(lambda: [gptq_quantize(w[b], h[b], scale[b], int4, DEFAULT_GPTQ, n[b]) for b in batches],
-                      device, args.repeats)
+                      device, args.repeats, warmup=True)
     zero = torch.zeros_like(scale, dtype=torch.int8)
     t_llmc, theirs_hat = timed(lambda: [theirs(w[b].float(), h[b].clone(), scale[b], zero[b], None, qargs)[0]
-                                        for b in batches], device, args.repeats)
+                                        for b in batches], device, args.repeats, warmup=True)
     ratios: dict[str, list[torch.Tensor]] = {"ours": [], "llmcompressor": []}
     for b, (q, s), theirs_b in zip(batches, quantized, theirs_hat, strict=True):  # a batch at a time: memory
         rtn = output_error(w[b], torch.clamp(torch.round(w[b].float() / s), int4.qmin, int4.qmax) * s, h[b])

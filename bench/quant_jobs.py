@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, print_result  # noqa: E402
-from msmodelslim.core.device import synchronize  # noqa: E402
+from bench.common import machine, print_result, timed  # noqa: E402
 from msmodelslim.core.placement import to_host  # noqa: E402
 from msmodelslim.processor.iter_smooth import error_parts  # noqa: E402
 from msmodelslim.quant import gptq  # noqa: E402
@@ -40,17 +38,6 @@ from msmodelslim.quant.gptq import gptq_scale, inverse_cholesky_upper, shrunk_he
 from msmodelslim.quant.granularity import int4, int8  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
 from msmodelslim.quant.sensitivity import hessian_error  # noqa: E402
-
-
-def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def main() -> None:
