@@ -239,7 +239,7 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
     return dequantize(qweight, scale, dtype=dtype)
 
 
-CPU_FLOAT64_PRODUCT = "the CPU's exact float64 product of wide W8A8 rows; an NPU multiplies in float32"
+CPU_FLOAT_PRODUCT = "the CPU's exact float product of integers (float64 for wide W8A8 rows); an NPU multiplies in float32"
 
 
 def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> torch.Tensor:
@@ -252,7 +252,7 @@ def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> to
     which hold 8-bit integers exactly: exact while the sums stay below 2^24 (always for W4A8; W8A8 rows over ~1000
     inputs can round in the last bits)."""
     if qweight.device.type == "cpu" and qweight.shape[-1] << (act_bits - 1 + weight_bits - 1) > 1 << 24:
-        with not_on_npu(CPU_FLOAT64_PRODUCT):
+        with not_on_npu(CPU_FLOAT_PRODUCT):
             return qweight.to(torch.float64)
     return qweight.to(torch.float32)
 
@@ -260,7 +260,7 @@ def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> to
 def _integer_matmul(qx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """qx @ weight^T as float32, of int8 qx and `integer_weight`'s weight."""
     if qx.device.type == "cpu":
-        with not_on_npu(CPU_FLOAT64_PRODUCT):
+        with not_on_npu(CPU_FLOAT_PRODUCT):
             return (qx.to(weight.dtype) @ weight.t()).to(torch.float32)
     with tensor_core_fp32_matmuls(qx.device):
         return qx.to(torch.float32) @ weight.t()
