@@ -216,9 +216,10 @@ class LayerWiseRunner:
                 loader.start(i + 1)
                 self._process(unit, module, states)
                 states = self._propagate(i, unit, module, states, last)
-                with self.stage("save"):
+                with self.stage("save"):  # (on accelerators the shards' writes go on behind the next unit)
                     for hook in self.hooks:
                         hook.save_unit(unit, module)
+                with self.stage("free"):
                     self.adapter.free_unit(unit, module)
                     release_cached_memory(self.dist.device)  # the next unit's different shapes reuse none of these
                 for hook in self.hooks:
