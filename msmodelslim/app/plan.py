@@ -228,7 +228,7 @@ def describe(plan: dict[str, Any]) -> str:
         state = mem["host_state"]
         parts = state["state_parts"]
         lines.append(f"samples' state per rank, on the host: ~{_size(state['bytes'])} ({state['bytes_per_token']} "
-                     f"bytes per token: {', '.join(parts)}; twice while a unit replaces it); in the temporary "
+                     f"bytes per token: {', '.join(parts)}); in the temporary "
                      f"output, all ranks: up to ~{_size(state['disk_bytes'])} (the resumable state)")
     cal = plan["calibration"]
     lines.append(f"calibration: {cal['samples']} samples, {cal['tokens']} tokens over {cal['ranks']} rank(s)")

@@ -81,14 +81,15 @@ def check_label(label: Label, planned: set[str], fallback: bool) -> None:
 def host_state(adapter: Any, tokens: int, world: int, resume_every: int = 1) -> dict[str, Any]:
     """The samples' state between units on one rank's host (the runner moves one micro-batch of it to the device at
     a time): per token the hidden state, the attention-residual blocks finished at the deepest decoder unit and the
-    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id. While a unit's outputs
-    replace its inputs both are held, but they share what the unit passes through untouched (`HostCopies`: all but
-    the new hidden state). It grows with the calibration tokens; past the rank's budget the runner keeps it on disk
-    (pipeline/spill.py)."""
+    MTP layers' input embeddings, each [hidden] in the compute dtype, and the token id. A unit's outputs share what
+    it passes through untouched with its inputs (`HostCopies`: all but the new hidden state), and its last pass
+    drops each input state as it makes the output (`LayerWiseRunner._forward_samples`), so inputs and outputs
+    together stay one state. It grows with the calibration tokens; past the rank's budget the runner keeps it on
+    disk (pipeline/spill.py)."""
     facts = adapter.facts
     hidden = facts.hidden_size * facts.dtype_bytes
     per_token = facts.state_bytes_per_token
-    return {"bytes_per_token": per_token, "bytes": (per_token + hidden) * math.ceil(tokens / world),
+    return {"bytes_per_token": per_token, "bytes": per_token * math.ceil(tokens / world),
             "state_parts": list(facts.state_parts),
             # on the save path's disk, all ranks, spilled or not: the files are incremental (pipeline/resume.py,
             # spill.py), so a decoder unit's files hold its new hidden state and refer to the earlier files for the
@@ -107,8 +108,7 @@ def check_host_memory(adapter: ModelAdapter, tokens: int, world: int, resume_eve
     ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     budget = host_budget(ranks)
     what = (f"the calibration samples' state between units takes ~{state['bytes'] / GIB:.2f} GiB of host memory per "
-            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes, and the new hidden states while a "
-            f"unit replaces them) and up to "
+            f"rank ({tokens // world} tokens x {state['bytes_per_token']} bytes) and up to "
             f"~{state['disk_bytes'] / GIB:.2f} GiB in the temporary output (the resumable state)")
     if state["bytes"] > budget:
         logger.info("%s; past %.2f GiB per rank ($%s, else half the available memory over the host's ranks) it is "

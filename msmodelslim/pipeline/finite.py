@@ -1,5 +1,6 @@
 """Finiteness of the calibration activations: the outputs of every calibration pass of a unit are checked (one
-reduction per tensor on the device, read once at the end of the pass). A NaN or Inf found there is
+reduction per tensor on the device, read without waiting for the work queued after it: `finite_later`). A NaN or Inf
+found there is
 traced to the first module that made it from finite inputs, by one more forward of that record with hooks, so the
 error names the unit, the module and the likely cause instead of surfacing later as a linear-algebra failure or as
 a silent NaN scale."""
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from msmodelslim.core.placement import to_host
 from msmodelslim.errors import UserError
 
 
@@ -34,6 +36,27 @@ def all_finite(value: Any) -> torch.Tensor | None:
     """A device bool: every floating value of the state is finite (None: it holds no floating tensor)."""
     flags = [torch.isfinite(t).all() for t in tensors(value) if t.is_floating_point()]
     return torch.stack(flags).all() if flags else None
+
+
+def finite_later(value: Any) -> Callable[[], bool]:
+    """`all_finite(value)` as a reader to call later: on CUDA the flag goes to pinned host memory behind the work
+    queued so far and an event marks its arrival, so reading it waits for that work only, not for what was queued
+    since (the next sample's forward); elsewhere the flag itself (a CPU computes in line; an NPU rank's copies to the
+    host already wait for the device)."""
+    flag = all_finite(value)
+    if flag is None:
+        return lambda: True
+    if flag.device.type != "cuda":
+        return lambda: bool(flag)
+    host = to_host(flag)
+    arrived = torch.cuda.Event()
+    arrived.record()
+
+    def read() -> bool:
+        arrived.synchronize()
+        return bool(host)
+
+    return read
 
 
 def first_non_finite_module(module: nn.Module, forward: Callable[[], Any]) -> str | None:

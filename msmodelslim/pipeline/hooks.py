@@ -232,7 +232,7 @@ class ResumeHook(UnitHook):
         if self.spill is not None:  # the spilled states no kept unit refers to any more (nor this one's inputs)
             self.spill.drop_before(index, keep=set(self.resume.latest(rank)))
         snapshot = {
-            "states": states,
+            "states": list(states),  # the runner's list loses each state as the next unit's last pass reads it
             "savers": [saver.resume_state() for saver in self.savers],
             "processors": [processor.resume_state() for processor in run.processors],
             "report": None if self.report is None else self.report.resume_state(),

@@ -300,6 +300,10 @@ def run_service(request: QuantRequest) -> None:
             raise
         finally:
             _stop_ranks(context.processes)
+            if (context.processes[0].exitcode or 0) < 0:
+                # rank 0 draws the progress bar; killed by a signal (here or by torch's join, when another rank
+                # failed) it leaves the bar's line open, and the error the CLI prints next would run on from it
+                print(file=sys.stderr, flush=True)
             for error_file in context.error_files:  # torch leaves them in $TMPDIR (one per rank that failed)
                 Path(error_file).unlink(missing_ok=True)
 

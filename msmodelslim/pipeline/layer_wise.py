@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,7 @@ from msmodelslim.core.placement import to_host
 from msmodelslim.model.base import ModelAdapter, Unit
 from msmodelslim.pipeline.answers import Carried, UnitContext, finished, kinds_of, recording, run_processor
 from msmodelslim.pipeline.assembly import first_places, observed_now, steps_with
-from msmodelslim.pipeline.finite import all_finite, first_non_finite_module, non_finite_error
+from msmodelslim.pipeline.finite import finite_later, first_non_finite_module, non_finite_error
 from msmodelslim.pipeline.hooks import UnitHook
 from msmodelslim.pipeline.impact import ImpactProbe
 from msmodelslim.pipeline.spill import map_state
@@ -152,10 +152,22 @@ class LayerWiseRunner:
 
     def _forward_samples(self, unit: Unit, module: nn.Module, states: list[dict[str, Any]],
                          keep: bool, only: set[int] | None) -> list[dict[str, Any]]:
-        """One pass over the samples (`only`: these steps, the same on every rank, else all)."""
+        """One pass over the samples (`only`: these steps, the same on every rank, else all). With `keep` the pass
+        is the unit's last over its inputs and makes the next unit's: each input state leaves `states` (the
+        runner's own list) once its outputs are found finite, one sample later, so the old and the new states
+        together stay about one state's size (unless a resumable state still being written holds the old ones)."""
         device = self.dist.device
         self.stats.passes[unit.name] += 1
-        outputs, finite, forwarded = [], [], []
+        outputs: list[dict[str, Any]] = []
+        unread: deque[tuple[int, Callable[[], bool]]] = deque()  # (step, its outputs' finite flag) not read yet
+        bad: list[int] = []
+
+        def settle(step: int, finite: Callable[[], bool]) -> None:
+            if not finite():
+                bad.append(step)
+            elif keep:
+                states[step] = None  # read no more: its memory (pinned blocks) goes to the new states
+
         if keep:
             for hook in self.hooks:
                 hook.start_keeping()
@@ -167,20 +179,20 @@ class LayerWiseRunner:
                 if step < len(states):
                     copies = HostCopies()
                     out = self.adapter.forward_unit(unit, module, copies.to_device(self._loaded(states[step]), device))
-                    finite.append(all_finite(out))  # every pass: statistics must never see a NaN
-                    forwarded.append(step)
+                    unread.append((step, finite_later(out)))  # every pass: statistics must never see a NaN
                     if keep:
                         host = copies.to_host(out)
                         for hook in self.hooks:
                             host = hook.keep(self, step, host)
                         outputs.append(host)
+                        while len(unread) > 1:  # the previous sample's flag, on the host by now
+                            settle(*unread.popleft())
                 else:
                     self.adapter.idle_unit(unit, module)
+        while unread:
+            settle(*unread.popleft())
         if keep and device.type != "cpu":
             synchronize(device)  # the host copies of the outputs are complete
-        flags = [f for f in finite if f is not None]
-        bad = [step for step, flag in zip(forwarded, finite) if flag is not None and not bool(flag)] \
-            if flags and not bool(torch.stack(flags).all()) else []  # one read of the flags per pass
         if bad:
             culprit = first_non_finite_module(module, lambda: self.adapter.forward_unit(
                 unit, module, HostCopies().to_device(self._loaded(states[bad[0]]), device)))

@@ -148,7 +148,7 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
     # reference: the bytes of the state one token leaves after the last decoder unit of a real layer-wise forward
     # (hidden state, the finished attention-residual blocks, the MTP input embeddings, the token id), exact; and
     # every decoder unit returns all of its input state but a new hidden state as the same tensors, which the runner
-    # then shares between inputs and outputs (HostCopies): one hidden state more while a unit replaces the state
+    # then shares between inputs and outputs (HostCopies), and it drops each input as its output is made: one state
     import torch
 
     from msmodelslim.app.plan import host_state
@@ -177,7 +177,7 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
     assert "MTP inputs" in estimate["state_parts"]
     assert estimate["bytes_per_token"] * tokens == carried
     hidden = state["hidden_states"].numel() // tokens * state["hidden_states"].element_size()
-    assert estimate["bytes"] == (estimate["bytes_per_token"] + hidden) * (tokens // 2)  # per rank, in a unit
+    assert estimate["bytes"] == estimate["bytes_per_token"] * (tokens // 2)  # per rank, in a unit
     # all ranks: a hidden state for each of 3 kept units, one being written, the unit in progress and the embedding
     # unit, and the passed-through tensors once
     assert estimate["disk_bytes"] == (6 * hidden + estimate["bytes_per_token"]) * tokens
@@ -198,7 +198,7 @@ def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compu
     with caplog.at_level(logging.INFO, logger="msmodelslim.pipeline.assembly"):
         state = plan(args)["memory_per_rank"]["host_state"]
     assert re.search(rf"state between units takes ~\d+\.\d+ GiB of host memory per rank \(\d+ tokens x "
-                     rf"{state['bytes_per_token']} bytes, and the new hidden states while a unit replaces them\) "
+                     rf"{state['bytes_per_token']} bytes\) "
                      rf"and up to ~\d+\.\d+ GiB in the temporary output \(the "
                      rf"resumable state\); past 0\.00 GiB per rank .* it is kept on disk",
                      caplog.text)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -486,3 +488,76 @@ def test_a_unit_output_passed_through_untouched_goes_back_as_its_host_tensor(mon
     back = copies.to_host({**moved, "new": torch.empty(4, device="meta")})
     assert back["kept"] is host["kept"] and back["blocks"][0] is host["blocks"][0]
     assert back["written"] is not host["written"] and back["new"].shape == (4,)
+
+
+def test_the_pass_that_makes_the_next_units_inputs_drops_each_input_once_its_outputs_are_finite():
+    """Host memory of the samples' state: while a unit's last pass makes the next unit's states, each input state
+    leaves the runner one sample after its forward (when its outputs' finite flag is read), so old and new states
+    together stay about one state's size. Reference: weak references to unit 0's outputs (unit 1's inputs, held by
+    nothing but the runner), read at each step of unit 1's last pass: steps before the previous one are gone
+    (exact; CPython frees a tensor with its last reference), also with a resumable state written after unit 0 (it
+    takes a list of its own, which its write drops)."""
+    import weakref
+
+    from msmodelslim.pipeline.hooks import ResumeHook
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+    from msmodelslim.pipeline.resume import ResumeState
+
+    units = [Unit(f"layers.{i}", "decoder", f"model.layers.{i}.", i) for i in range(3)]
+
+    class ThreeUnits(OneUnitAdapter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[weakref.ref] = []  # unit 0's outputs
+
+        def units(self) -> list[Unit]:
+            return units
+
+        def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+            return two_readers()  # (a freed unit's module is left on the meta device)
+
+        def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+            out = {"x": super().forward_unit(unit, module, state)["x"] * 2}  # a new tensor
+            if unit is units[0]:
+                self.made.append(weakref.ref(out["x"]))
+            return out
+
+    class Watch(UnitHook):
+        def __init__(self) -> None:
+            self.alive: list[list[int]] = []  # per step of unit 1's last pass: unit 0's outputs still alive
+
+        def keep(self, run: Any, step: int, state: Any) -> Any:
+            if run.position == 1:
+                self.alive.append([i for i, ref in enumerate(adapter.made) if ref() is not None])
+                if step == 4:
+                    unit1_read.set()
+            return state
+
+    unit1_read = threading.Event()
+
+    class Kept(ResumeState):  # unit 0's resumable state as the run leaves it, before its end drops the state
+        def save(self, rank: int, unit: int, state: dict[str, Any], shards: dict[str, str]) -> None:
+            if unit == 0 and threading.current_thread() is not threading.main_thread():
+                unit1_read.wait(timeout=60)  # in the background: only once unit 1's last pass has read every state
+            super().save(rank, unit, state, shards)
+
+        def invalidate(self) -> None:
+            self.unit0 = self.load(0, 0)["states"]
+            super().invalidate()
+
+    g = torch.Generator().manual_seed(5)
+    samples = [{"x": torch.randn(4, 12, generator=g)} for _ in range(5)]
+    for resumable, background in ((False, False), (True, False), (True, True)):
+        unit1_read.clear()
+        adapter, watch = ThreeUnits(), Watch()
+        hooks: list[UnitHook] = [watch]
+        if resumable:
+            resume = Kept(Path(tempfile.mkdtemp()))
+            resume.start({})
+            hooks.append(ResumeHook(resume))
+        LayerWiseRunner(adapter, [], hooks, background=background).run(samples)
+        if not background:  # (a write in the background holds its states until it is done)
+            assert watch.alive == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [1, 2, 3, 4], [2, 3, 4], [3, 4]], resumable
+        if resumable:  # written while unit 1 dropped them: every state of unit 0's outputs
+            assert [torch.equal(kept["x"], s["x"] * 2) for kept, s in zip(resume.unit0, samples, strict=True)] \
+                == [True] * 5
