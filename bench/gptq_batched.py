@@ -7,7 +7,9 @@ random rows per expert, their channels correlated (a low-rank part plus noise) w
 (1M calibration tokens with top-16 over 896 experts give an expert ~18,700 rows).
 
 - ours, as linear_quant runs it: `quantize_weight(..., "gptq")` in linear_quant's batches (GPTQ_BATCH_BYTES of
-  Hessians per linear), the diag(H)-weighted scale search included;
+  Hessians per linear), the diag(H)-weighted scale search included (on CUDA one Triton kernel, ops/grid_search.py);
+- the same with the search in PyTorch's elementwise passes (`ours_eager_search`; what an NPU and the CPU run), and
+  how its scales compare with the kernel's (the fraction identical, the largest relative difference);
 - ours, the column loop alone (`gptq_quantize`, given those scales), in the same batches;
 - llm-compressor: `quantize_weight` of `llmcompressor.modifiers.gptq.gptq_quantize` (its Triton block kernel on
   CUDA, eager elsewhere): channel-wise symmetric int4, static activation order, 1 % dampening, given our scales, in
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, print_result, timed  # noqa: E402
+from msmodelslim.quant import functional  # noqa: E402
 from msmodelslim.quant.gptq import DEFAULT_GPTQ, GPTQ_BATCH_BYTES, GPTQ_BATCH_BYTES_CPU, gptq_quantize  # noqa: E402
 from msmodelslim.quant.granularity import int4  # noqa: E402
 from msmodelslim.quant.modules import quantize_weight  # noqa: E402
@@ -83,9 +86,17 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
     per_batch = max(1, budget // (sharing * cols * cols * 4))  # linear_quant's batches
     batches = [slice(s, min(s + per_batch, args.experts)) for s in range(0, args.experts, per_batch)]
     n = torch.full((args.experts,), args.tokens)
-    t_ours, quantized = timed(lambda: [quantize_weight(w[b], int4, "gptq", hessian=h[b], tokens=n[b])
-                                       for b in batches], device, args.repeats, warmup=True)
+    def ours() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [quantize_weight(w[b], int4, "gptq", hessian=h[b], tokens=n[b]) for b in batches]
+
+    functional.GRID_KERNEL = False
+    t_eager, eager = timed(ours, device, args.repeats, warmup=True)
+    functional.GRID_KERNEL = True
+    t_ours, quantized = timed(ours, device, args.repeats, warmup=True)
     scale = torch.cat([s for _, s in quantized])
+    eager_scale = torch.cat([s for _, s in eager])
+    searches = {"identical_scales": round(float((scale == eager_scale).double().mean()), 4),
+                "max_relative_scale_difference": float(((scale - eager_scale).abs() / eager_scale).max())}
     t_loop, _ = timed(lambda: [gptq_quantize(w[b], h[b], scale[b], int4, DEFAULT_GPTQ, n[b]) for b in batches],
                       device, args.repeats, warmup=True)
     zero = torch.zeros_like(scale, dtype=torch.int8)
@@ -96,9 +107,12 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
         rtn = output_error(w[b], torch.clamp(torch.round(w[b].float() / s), int4.qmin, int4.qmax) * s, h[b])
         ratios["ours"].append(output_error(w[b], q.float() * s, h[b]) / rtn)
         ratios["llmcompressor"].append(output_error(w[b], theirs_b, h[b]) / rtn)
-    seconds = {"ours": t_ours, "ours_column_loop": t_loop, "llmcompressor": t_llmc}
+    for b, (q, s) in zip(batches, eager, strict=True):
+        rtn = output_error(w[b], torch.clamp(torch.round(w[b].float() / s), int4.qmin, int4.qmax) * s, h[b])
+        ratios.setdefault("ours_eager_search", []).append(output_error(w[b], q.float() * s, h[b]) / rtn)
+    seconds = {"ours": t_ours, "ours_eager_search": t_eager, "ours_column_loop": t_loop, "llmcompressor": t_llmc}
     errors = {k: round(float(torch.cat(v).mean()), 4) for k, v in ratios.items()}
-    return seconds, errors, len(batches)
+    return seconds, {**errors, **searches}, len(batches)
 
 
 def main() -> None:
@@ -114,7 +128,7 @@ def main() -> None:
     theirs, qargs = llmcompressor_gptq(args.llmcompressor)
     result: dict = {"machine": machine(), "device": str(device), "experts": args.experts, "tokens": args.tokens,
                     "shapes": {}, "seconds": {}, "error_vs_rtn": {}}
-    totals = {"ours": 0.0, "ours_column_loop": 0.0, "llmcompressor": 0.0}
+    totals = {"ours": 0.0, "ours_eager_search": 0.0, "ours_column_loop": 0.0, "llmcompressor": 0.0}
     for seed, (name, (rows, cols, sharing)) in enumerate(EXPERT_SHAPES.items()):
         rows, cols = rows // args.shrink, cols // args.shrink
         seconds, errors, batches = compare(rows, cols, sharing, args, device, theirs, qargs, seed)

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerToken, int_dtype
 
 # Rows per piece of a per-token computation on the CPU (quantization, a quantized product's epilogue): a piece's
@@ -156,6 +157,10 @@ def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) 
     return ((w.double() - q.double() * scale.double()) ** 2).sum(dim=-1)
 
 
+GRID_KERNEL = True  # CUDA: the search as one Triton kernel (bench/gptq_batched.py turns it off to compare)
+GRID_KERNEL_REASON = "the grid search as a Triton kernel on CUDA; an NPU runs its elementwise passes"
+
+
 def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: torch.Tensor | None = None,
                       steps: int = 48, min_ratio: float = 0.3, refine: int = 4) -> torch.Tensor:
     """Per-channel scales from a clipping grid, then a few least-squares refinements ("grid").
@@ -165,7 +170,9 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     error of a weight column scales with it). The grid reaches the scales a descent from min/max cannot: on
     MXFP4-decoded experts the rows sit on the FP4 grid and ssz stays in the first basin. From the best grid point,
     `refine` alternating least-squares steps (as ssz, weighted) keep any row that improves. `w` is [..., out, in]
-    (leading dims: a batch of matrices), `importance` [..., in]; returns float32 [..., out, 1].
+    (leading dims: a batch of matrices), `importance` [..., in]; returns float32 [..., out, 1]. On CUDA the search
+    is one Triton kernel (`ops/grid_search.py`: each row read once for all the tries instead of eight passes over
+    the batch per try; the same elementwise arithmetic, sums in another order).
     """
     d = _as_dtype(bits)
     work = _work_dtype(w)
@@ -174,6 +181,15 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
         importance.to(w2.device, work).clamp_min(0)
     imp = imp.unsqueeze(-2)  # [..., 1, in]
     base = minmax_scale(w2, d, PerChannel())
+    if GRID_KERNEL and w2.is_cuda and work == torch.float32:
+        with not_on_npu(GRID_KERNEL_REASON):
+            from msmodelslim.ops.grid_search import grid_search
+
+            *lead, rows, cols = w2.shape
+            ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
+            found = grid_search(w2.reshape(-1, rows, cols), imp.expand(*lead, 1, cols).reshape(-1, cols),
+                                base.reshape(-1, rows, 1), ratios, d.qmin, d.qmax, refine)
+            return found.view(*lead, rows, 1)
     q, prod = torch.empty_like(w2), torch.empty_like(w2)
 
     def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [..., out, 1]
