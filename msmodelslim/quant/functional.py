@@ -6,12 +6,15 @@ results are `q` (torch.int8 holding the integer values) and `scale` (float32, br
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from msmodelslim.core.placement import not_on_npu
 from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerToken, int_dtype
+
+logger = logging.getLogger(__name__)
 
 # Rows per piece of a per-token computation on the CPU (quantization, a quantized product's epilogue): a piece's
 # float32 temporaries fit the cache, which the whole micro-batch's do not. bench/launches.py, which counts on the CPU
@@ -158,7 +161,30 @@ def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) 
 
 
 GRID_KERNEL = True  # CUDA: the search as one Triton kernel (bench/gptq_batched.py turns it off to compare)
-GRID_KERNEL_REASON = "the grid search as a Triton kernel on CUDA; an NPU runs its elementwise passes"
+
+
+def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
+                 refine: int) -> torch.Tensor | None:
+    """`grid_scale_search` by ops/grid_search.py; None when the kernel cannot be built here (Triton's compiler for
+    this GPU), after which the run searches with the elementwise passes (said once)."""
+    global GRID_KERNEL
+    *lead, rows, cols = w2.shape
+    ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
+    try:
+        with not_on_npu("the grid search as a Triton kernel on CUDA; an NPU runs its elementwise passes"):
+            from msmodelslim.ops.grid_search import grid_search
+
+            found = grid_search(w2.reshape(-1, rows, cols), imp.expand(*lead, 1, cols).reshape(-1, cols),
+                                base.reshape(-1, rows, 1), ratios, d.qmin, d.qmax, refine)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same search
+        GRID_KERNEL = False
+        logger.warning("grid scale search: the Triton kernel failed (%s); the search runs as elementwise passes "
+                       "from now on: the same scales, slower", str(exc).splitlines()[0] if str(exc) else
+                       type(exc).__name__)
+        return None
+    return found.view(*lead, rows, 1)
 
 
 def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: torch.Tensor | None = None,
@@ -182,14 +208,9 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     imp = imp.unsqueeze(-2)  # [..., 1, in]
     base = minmax_scale(w2, d, PerChannel())
     if GRID_KERNEL and w2.is_cuda and work == torch.float32:
-        with not_on_npu(GRID_KERNEL_REASON):
-            from msmodelslim.ops.grid_search import grid_search
-
-            *lead, rows, cols = w2.shape
-            ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
-            found = grid_search(w2.reshape(-1, rows, cols), imp.expand(*lead, 1, cols).reshape(-1, cols),
-                                base.reshape(-1, rows, 1), ratios, d.qmin, d.qmax, refine)
-            return found.view(*lead, rows, 1)
+        found = _grid_kernel(w2, imp, base, d, steps, min_ratio, refine)
+        if found is not None:
+            return found
     q, prod = torch.empty_like(w2), torch.empty_like(w2)
 
     def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [..., out, 1]

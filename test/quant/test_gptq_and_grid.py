@@ -213,3 +213,26 @@ def test_the_grid_search_kernel_finds_the_scales_of_the_pytorch_search():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split()
     assert len(lines) == 4 and all(abs(float(worse) - 1) < 1e-6 for worse in lines[1::2]), out.stdout
+
+
+def test_a_grid_kernel_that_cannot_be_built_leaves_the_search_to_the_elementwise_passes(monkeypatch, caplog):
+    """If Triton cannot build the kernel on a GPU, the run goes on with the PyTorch search (the same scales) and says
+    so once. Reference: the kernel's launcher replaced by one that raises as a compiler failure does."""
+    import logging
+
+    from msmodelslim.ops import grid_search as kernel_module
+    from msmodelslim.quant import functional
+
+    def fails(*_args: object, **_kwargs: object) -> torch.Tensor:
+        raise RuntimeError("PassManager::run failed\n(the compiler's log)")
+
+    monkeypatch.setattr(kernel_module, "grid_search", fails)
+    monkeypatch.setattr(functional, "GRID_KERNEL", True)
+    w = torch.randn(2, 8, 64)
+    base = minmax_scale(w, int4, PerChannel())
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.functional"):
+        assert functional._grid_kernel(w, torch.ones(2, 1, 64), base, int4, 48, 0.3, 4) is None
+    assert functional.GRID_KERNEL is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "grid scale search: the Triton kernel failed (PassManager::run failed); the search runs as elementwise "
+        "passes from now on: the same scales, slower"]
