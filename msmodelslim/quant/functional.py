@@ -161,30 +161,7 @@ def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) 
 
 
 GRID_KERNEL = True  # CUDA: the search as one Triton kernel (bench/gptq_batched.py turns it off to compare)
-
-
-def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
-                 refine: int) -> torch.Tensor | None:
-    """`grid_scale_search` by ops/grid_search.py; None when the kernel cannot be built here (Triton's compiler for
-    this GPU), after which the run searches with the elementwise passes (said once)."""
-    global GRID_KERNEL
-    *lead, rows, cols = w2.shape
-    ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
-    try:
-        with not_on_npu("the grid search as a Triton kernel on CUDA; an NPU runs its elementwise passes"):
-            from msmodelslim.ops.grid_search import grid_search
-
-            found = grid_search(w2.reshape(-1, rows, cols), imp.expand(*lead, 1, cols).reshape(-1, cols),
-                                base.reshape(-1, rows, 1), ratios, d.qmin, d.qmax, refine)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same search
-        GRID_KERNEL = False
-        logger.warning("grid scale search: the Triton kernel failed (%s); the search runs as elementwise passes "
-                       "from now on: the same scales, slower", str(exc).splitlines()[0] if str(exc) else
-                       type(exc).__name__)
-        return None
-    return found.view(*lead, rows, 1)
+_GRID_KERNEL_CHECKED = False  # the kernel's first search in this process was held to the passes' (`_grid_kernel`)
 
 
 def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: torch.Tensor | None = None,
@@ -208,9 +185,16 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     imp = imp.unsqueeze(-2)  # [..., 1, in]
     base = minmax_scale(w2, d, PerChannel())
     if GRID_KERNEL and w2.is_cuda and work == torch.float32:
-        found = _grid_kernel(w2, imp, base, d, steps, min_ratio, refine)
+        with not_on_npu("the grid search as a Triton kernel on CUDA (and its check); an NPU runs the passes"):
+            found = _grid_kernel(w2, imp, base, d, steps, min_ratio, refine)
         if found is not None:
             return found
+    return _grid_passes(w2, imp, base, d, steps, min_ratio, refine)
+
+
+def _grid_passes(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
+                 refine: int) -> torch.Tensor:
+    """The search as elementwise passes over the whole batch (`imp` [..., 1, in], `base` the min/max scales)."""
     q, prod = torch.empty_like(w2), torch.empty_like(w2)
 
     def error(scale: torch.Tensor) -> torch.Tensor:  # sum_j imp_j (w_j - s q_j)^2 per row, [..., out, 1]
@@ -229,3 +213,46 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
         s = torch.where((qq > 0) & (wq > 0), wq / qq.clamp_min(1e-30), best_s)
         best_s, best_err = keep_better(best_s, best_err, s, error(s))
     return best_s.to(torch.float32)
+
+
+def _weighted_errors(w: torch.Tensor, imp: torch.Tensor, scale: torch.Tensor, d: IntDtype) -> torch.Tensor:
+    """sum_j imp_j (w_j - s q_j)^2 per row in float64 (the kernel's check)."""
+    w64, s64 = w.double(), scale.double()
+    q = torch.div(w64, s64).round_().clamp_(d.qmin, d.qmax)
+    return (w64 - q * s64).square_().mul_(imp.double()).sum(dim=-1)
+
+
+def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
+                 refine: int) -> torch.Tensor | None:
+    """`grid_scale_search` by ops/grid_search.py. Its first search in a process is held to the elementwise passes
+    on the batch's first matrix: each row's weighted error within 1e-6 of theirs (the sums run in another order).
+    None when the kernel cannot be built here (Triton's compiler for this GPU) or fails that check: the run then
+    searches with the passes, and says so once."""
+    global GRID_KERNEL, _GRID_KERNEL_CHECKED
+    *lead, rows, cols = w2.shape
+    ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
+    weights = imp.expand(*lead, 1, cols).reshape(-1, 1, cols)
+    try:
+        from msmodelslim.ops.grid_search import grid_search
+
+        found = grid_search(w2.reshape(-1, rows, cols), weights.reshape(-1, cols), base.reshape(-1, rows, 1), ratios,
+                            d.qmin, d.qmax, refine)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same search
+        why = f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    else:
+        if _GRID_KERNEL_CHECKED:
+            return found.view(*lead, rows, 1)
+        first = w2.reshape(-1, rows, cols)[:1]
+        passes = _grid_passes(first, weights[:1], base.reshape(-1, rows, 1)[:1], d, steps, min_ratio, refine)
+        ours, theirs = (_weighted_errors(first, weights[:1], s, d) for s in (found[:1], passes))
+        excess = float(((ours - theirs).abs() / theirs.clamp_min(1e-300)).max())
+        if excess <= 1e-6:
+            _GRID_KERNEL_CHECKED = True
+            return found.view(*lead, rows, 1)
+        why = f"gave scales whose error is {excess:.2e} off the elementwise search's"
+    GRID_KERNEL = False
+    logger.warning("grid scale search: the Triton kernel %s; the search runs as elementwise passes from now on: the "
+                   "same scales, slower", why)
+    return None
