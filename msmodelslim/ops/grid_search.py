@@ -29,14 +29,19 @@ def _quantized(w, s, qmin, qmax):
 
 
 @triton.jit
+def _block(w_row, imp_row, start, cols, BLOCK: tl.constexpr):
+    """Inputs start .. start + BLOCK of the row and their weights (0 past the row's end: they add nothing)."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < cols
+    return tl.load(w_row + offs, mask=mask, other=0.0), tl.load(imp_row + offs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _row_error(w_row, imp_row, cols, s, qmin, qmax, BLOCK: tl.constexpr):
     """sum_j imp_j (w_j - s q_j)^2 for one scale s."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < cols
-        w = tl.load(w_row + offs, mask=mask, other=0.0)
-        imp = tl.load(imp_row + offs, mask=mask, other=0.0)
+        w, imp = _block(w_row, imp_row, start, cols, BLOCK)
         r = w - _quantized(w, s, qmin, qmax) * s
         acc += r * r * imp
     return tl.sum(acc, axis=0)
@@ -55,10 +60,7 @@ def _grid_search_kernel(W, IMP, BASE, RATIOS, OUT, cols, rows_per_matrix, qmin, 
     # the grid: every candidate's error in one read of the row
     errors = tl.zeros([STEPS_P2], dtype=tl.float32)
     for start in range(0, cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < cols
-        w = tl.load(w_row + offs, mask=mask, other=0.0)
-        imp = tl.load(imp_row + offs, mask=mask, other=0.0)
+        w, imp = _block(w_row, imp_row, start, cols, BLOCK)
         r = w[None, :] - _quantized(w[None, :], scales[:, None], qmin, qmax) * scales[:, None]
         errors += tl.sum(r * r * imp[None, :], axis=1)
     errors = tl.where(k < STEPS, errors, float("inf"))
@@ -70,10 +72,7 @@ def _grid_search_kernel(W, IMP, BASE, RATIOS, OUT, cols, rows_per_matrix, qmin, 
         wq = tl.zeros([BLOCK], dtype=tl.float32)
         qq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < cols
-            w = tl.load(w_row + offs, mask=mask, other=0.0)
-            imp = tl.load(imp_row + offs, mask=mask, other=0.0)
+            w, imp = _block(w_row, imp_row, start, cols, BLOCK)
             q = _quantized(w, best_s, qmin, qmax)
             wq += w * q * imp
             qq += q * q * imp
