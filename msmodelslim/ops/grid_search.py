@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-_HALF_EVEN = 12582912.0  # 1.5 * 2^23: (x + c) - c rounds a float32 |x| < 2^22 to the nearest integer, ties to even
+_HALF_EVEN = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + c) - c rounds a float32 |x| < 2^22 to the nearest integer, ties to even
 
 
 @triton.jit

@@ -255,3 +255,33 @@ def test_a_grid_kernel_that_cannot_be_built_or_disagrees_leaves_the_search_to_th
     assert len(caplog.records) == 1 and re.fullmatch(
         rf"grid scale search: the Triton kernel {said}; the search runs as elementwise passes from now on: the "
         r"same scales, slower", caplog.records[0].getMessage()), caplog.records[0].getMessage()
+
+
+def test_the_grid_search_kernel_compiles_for_hopper_with_the_searchs_rounding():
+    """The kernel as CUDA runs it, compiled by Triton's own compiler for sm_90 (H100 / H200) without a GPU: it builds
+    (a global it cannot read, a shape it cannot broadcast would stop it here, not on the user's GPU), and the PTX
+    keeps the search's arithmetic: correctly rounded division (`div.rn`), no fused multiply-add, and the rounding
+    constant's add and subtract (round half to even) not folded away. Reference: the PTX text."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from msmodelslim.ops.grid_search import _grid_search_kernel
+
+    signature = {"W": "*fp32", "IMP": "*fp32", "BASE": "*fp32", "RATIOS": "*fp32", "OUT": "*fp32", "cols": "i32",
+                 "rows_per_matrix": "i32", "qmin": "fp32", "qmax": "fp32", "STEPS": "constexpr",
+                 "STEPS_P2": "constexpr", "REFINE": "constexpr", "BLOCK": "constexpr"}
+    source = ASTSource(fn=_grid_search_kernel, signature=signature,
+                       constexprs={"STEPS": 48, "STEPS_P2": 64, "REFINE": 4, "BLOCK": 64})
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "enable_fp_fusion": False})
+    except (FileNotFoundError, RuntimeError) as exc:  # a Triton without its CUDA back end's tools
+        if "ptxas" in str(exc):
+            pytest.skip(f"Triton's CUDA back end cannot assemble here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "fma.rn.f32" not in ptx
+    assert "0f4B400000" in ptx and "0fCB400000" in ptx  # + 1.5 * 2^23, then - 1.5 * 2^23
