@@ -1,7 +1,7 @@
 """What the resumable state costs per unit at Kimi-K3's size: incremental files against rewriting the whole state.
 
-After a unit the runner keeps the samples' state for `--resume` (pipeline/resume.py). Kimi-K3's state is 129,032
-bytes per token (bench/spill.py's `k3_state`: the hidden state, 7 attention-residual blocks, the MTP input, the token
+After a unit the runner keeps the samples' state for `--resume` (pipeline/resume.py). Kimi-K3's state is 143,368
+bytes per token (bench/spill.py's `k3_state`: the hidden state, 8 attention-residual blocks, the MTP input, the token
 id), and a decoder unit changes only its hidden state (and, at the end of a block of 12 layers, adds one block): the
 rest passes through untouched as the same tensors (`layer_wise.HostCopies`). This bench keeps `--units` such units'
 states through `ResumeState.save`, as the runner does, two ways in one sitting: one `ResumeState` (its files refer to

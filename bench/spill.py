@@ -1,9 +1,9 @@
-"""What the samples' state costs when it spills to disk at Kimi-K3's size (issue 31: 129,032 bytes per token).
+"""What the samples' state costs when it spills to disk at Kimi-K3's size (143,368 bytes per token).
 
 Past the host budget the runner writes each micro-batch's outputs to a file as a unit makes them and reads it back
 memory-mapped when the next unit forwards it (pipeline/spill.py). This bench does exactly that through `StateSpill`,
-with Kimi-K3's state per token (the hidden state, 7 attention-residual blocks and the MTP input, each bf16 [7168],
-and the token id: 129,032 bytes) in micro-batches of 8,192 tokens (1.06 GB each):
+with Kimi-K3's state per token (the hidden state, 8 attention-residual blocks and the MTP input, each bf16 [7168],
+and the token id: 143,368 bytes; 7 blocks and 129,032 bytes before session 35) in micro-batches of 8,192 tokens (1.06 GB each):
 
 1. the first unit writes `--batches` of them whole (more than the page cache holds at the default);
 2. a decoder unit reads each back, copies every byte into one buffer (as the forward's move to the device does) and
@@ -33,7 +33,7 @@ from bench.common import BENCH_OUT, machine, print_result  # noqa: E402
 from msmodelslim.pipeline.spill import StateSpill, state_bytes  # noqa: E402
 
 HIDDEN = 7168
-BLOCKS = 7  # Kimi-K3: 93 decoder layers in attention-residual blocks of 12
+BLOCKS = 8  # Kimi-K3: 93 decoder layers in attention-residual blocks of 12 (layers 0, 12, ..., 84 store one)
 
 
 def k3_state(tokens: int) -> dict:

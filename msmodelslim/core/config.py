@@ -465,7 +465,7 @@ class Spec(StrictConfig):
     # ranges only, on the tokens the router scores highest for it up to that share; the layer's output is as ever
     balanced_experts: bool = False
     # The resumable state (pipeline/resume.py) is kept after every this many units and after the last: a resume
-    # recomputes at most resume_every - 1 units, and a run writes the samples' state (Kimi-K3: 126 KiB per token
+    # recomputes at most resume_every - 1 units, and a run writes the samples' state (Kimi-K3: 140 KiB per token
     # and rank) that many times less often.
     resume_every: int = 1
 

@@ -18,7 +18,7 @@ process runs it), under `resume/`:
   same version: a unit passes its finished attention-residual blocks, MTP inputs and token ids through untouched,
   `layer_wise.HostCopies`), is recorded as a `StoredTensor` reference to it instead of written again, unless that
   would keep much more of that file than it uses (`spill.referable`). A Kimi-K3 unit then writes its new hidden
-  state, ~14 of the ~126 KiB per token. A file that a kept file refers to is kept too;
+  state, ~14 of the ~140 KiB per token. A file that a kept file refers to is kept too;
 - `rank<r>/unit<k>.json`, written before the `.pt` gets its name: the checksum (CRC-32, `files.file_checksum`;
   that file's taken as it is written) of that file, of the files it refers to and of every shard the rank's savers
   had written by then. `--resume` checks them all before any compute (a damaged file that is still a valid

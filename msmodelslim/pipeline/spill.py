@@ -1,6 +1,6 @@
 """The samples' state between units, past a host-memory budget: one file per micro-batch, read back memory-mapped.
 
-At Kimi-K3 scale the state is about 126 KiB per calibration token (hidden state, attention-residual blocks, MTP
+At Kimi-K3 scale the state is about 140 KiB per calibration token (hidden state, attention-residual blocks, MTP
 inputs; `assembly.host_state`), so a million tokens do not fit in a rank's host memory. The runner keeps micro-batch
 outputs in memory until they reach `budget` bytes and writes the rest to `<folder>/unit<k>/<i>.pt` as they are made.
 A spilled state is read back with `torch.load(mmap=True)`: its pages come from the file as the forward reads them,
@@ -10,7 +10,7 @@ state: the resumable state of a unit records their names and sizes instead of th
 Incremental, like the resumable state: a tensor a unit passes through untouched (the same tensor object it read
 from a spill file, at the same version: Kimi-K3's finished attention-residual blocks, MTP inputs and token ids,
 `layer_wise.HostCopies`) is written as a `SpillRef` to the file that holds it, so a decoder unit writes its new
-hidden state, ~14 of the ~126 KiB per token. A reference always names the file the bytes are in (one read back
+hidden state, ~14 of the ~140 KiB per token. A reference always names the file the bytes are in (one read back
 through a reference is remembered at its origin), so references never chain, and not where a reference would keep
 much more of that file than it uses (`referable`). Each unit folder lists the folders its files refer to
 (`refers.json`); a folder is deleted once no live or kept unit's folder is it or refers to it.

@@ -144,7 +144,21 @@ def _tensors(state: dict) -> list:
     return [v for v in state.values() if isinstance(v, torch.Tensor)] + list(state.get("attn_res_blocks", []))
 
 
-def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkpoint):
+@pytest.fixture(scope="module")
+def tiny_k3_blocks_of_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with attention-residual blocks of 3 layers: its 4 decoder layers leave 2 blocks, not 4 // 3."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny-blocks-of-3"
+    subprocess.run([sys.executable, str(REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"),
+                    "--preset", "tiny", "--out", str(out), "--set", "text_config.attn_res_block_size=3"], check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("blocks_of", [2, 3])
+def test_the_host_state_per_token_is_what_the_unit_forwards_carry(blocks_of, request):
     # reference: the bytes of the state one token leaves after the last decoder unit of a real layer-wise forward
     # (hidden state, the finished attention-residual blocks, the MTP input embeddings, the token id), exact; and
     # every decoder unit returns all of its input state but a new hidden state as the same tensors, which the runner
@@ -154,7 +168,8 @@ def test_the_host_state_per_token_is_what_the_unit_forwards_carry(tiny_k3_checkp
     from msmodelslim.app.plan import host_state
     from msmodelslim.model.kimi_k3.adapter import KimiK3ModelAdapter
 
-    with KimiK3ModelAdapter(tiny_k3_checkpoint, trust_remote_code=True) as adapter:
+    checkpoint = request.getfixturevalue("tiny_k3_checkpoint" if blocks_of == 2 else "tiny_k3_blocks_of_3")
+    with KimiK3ModelAdapter(checkpoint, trust_remote_code=True) as adapter:
         tokens = 40
         state = {"input_ids": torch.randint(10, 1000, (1, tokens))}
         last = [u for u in adapter.units() if u.kind == "decoder"][-1]

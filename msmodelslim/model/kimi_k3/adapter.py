@@ -122,10 +122,11 @@ class KimiK3ModelAdapter(HFModelAdapter):
 
     def carried_state(self) -> tuple[int, tuple[str, ...]]:
         """The hidden state, the attention-residual blocks finished at the deepest decoder unit and, with MTP layers
-        in the run, their input embeddings."""
+        in the run, their input embeddings. Each decoder layer whose index is a multiple of the block size stores the
+        block before it (layer 0 the embeddings): n layers leave ceil(n / size) blocks (Kimi-K3: 93 / 12 -> 8)."""
         block = getattr(self.text_config, "attn_res_block_size", None)
         units = self.units()
-        blocks = sum(u.kind == "decoder" for u in units) // block if block else 0
+        blocks = -(-sum(u.kind == "decoder" for u in units) // block) if block else 0
         mtp = any(u.kind == "mtp" for u in units)
         parts = ("hidden states", *([f"{blocks} attention-residual blocks"] if blocks else []),
                  *(["MTP inputs"] if mtp else []))
