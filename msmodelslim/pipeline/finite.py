@@ -1,9 +1,8 @@
 """Finiteness of the calibration activations: the outputs of every calibration pass of a unit are checked (one
 reduction per tensor on the device, read without waiting for the work queued after it: `finite_later`). A NaN or Inf
-found there is
-traced to the first module that made it from finite inputs, by one more forward of that record with hooks, so the
-error names the unit, the module and the likely cause instead of surfacing later as a linear-algebra failure or as
-a silent NaN scale."""
+found there is traced to the first module that made it from finite inputs, by one more forward of that record with
+hooks, so the error names the unit, the module and the likely cause instead of surfacing later as a linear-algebra
+failure or as a silent NaN scale."""
 
 from __future__ import annotations
 
