@@ -86,6 +86,7 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
     per_batch = max(1, budget // (sharing * cols * cols * 4))  # linear_quant's batches
     batches = [slice(s, min(s + per_batch, args.experts)) for s in range(0, args.experts, per_batch)]
     n = torch.full((args.experts,), args.tokens)
+
     def ours() -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [quantize_weight(w[b], int4, "gptq", hessian=h[b], tokens=n[b]) for b in batches]
 
@@ -102,14 +103,15 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
     zero = torch.zeros_like(scale, dtype=torch.int8)
     t_llmc, theirs_hat = timed(lambda: [theirs(w[b].float(), h[b].clone(), scale[b], zero[b], None, qargs)[0]
                                         for b in batches], device, args.repeats, warmup=True)
-    ratios: dict[str, list[torch.Tensor]] = {"ours": [], "llmcompressor": []}
-    for b, (q, s), theirs_b in zip(batches, quantized, theirs_hat, strict=True):  # a batch at a time: memory
+    def vs_rtn(b: slice, w_hat: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # rounding to nearest, scales s
         rtn = output_error(w[b], torch.clamp(torch.round(w[b].float() / s), int4.qmin, int4.qmax) * s, h[b])
-        ratios["ours"].append(output_error(w[b], q.float() * s, h[b]) / rtn)
-        ratios["llmcompressor"].append(output_error(w[b], theirs_b, h[b]) / rtn)
-    for b, (q, s) in zip(batches, eager, strict=True):
-        rtn = output_error(w[b], torch.clamp(torch.round(w[b].float() / s), int4.qmin, int4.qmax) * s, h[b])
-        ratios.setdefault("ours_eager_search", []).append(output_error(w[b], q.float() * s, h[b]) / rtn)
+        return output_error(w[b], w_hat, h[b]) / rtn
+
+    ratios: dict[str, list[torch.Tensor]] = {"ours": [], "ours_eager_search": [], "llmcompressor": []}
+    for b, (q, s), (q_eager, s_eager), theirs_b in zip(batches, quantized, eager, theirs_hat, strict=True):
+        ratios["ours"].append(vs_rtn(b, q.float() * s, s))  # a batch at a time: memory
+        ratios["ours_eager_search"].append(vs_rtn(b, q_eager.float() * s_eager, s_eager))
+        ratios["llmcompressor"].append(vs_rtn(b, theirs_b, s))
     seconds = {"ours": t_ours, "ours_eager_search": t_eager, "ours_column_loop": t_loop, "llmcompressor": t_llmc}
     errors = {k: round(float(torch.cat(v).mean()), 4) for k, v in ratios.items()}
     return seconds, {**errors, **searches}, len(batches)

@@ -154,10 +154,13 @@ def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 5
     return best_s.to(torch.float32)
 
 
-def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype) -> torch.Tensor:
-    """Per-row squared error ||w - dequant(quant(w))||^2 for per-channel scales [out, 1] (float64)."""
+def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype,
+              importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row squared error ||w - dequant(quant(w))||^2 for per-channel scales [..., out, 1] (float64), each input's
+    term weighted by `importance` [..., 1, in] when given."""
     q = quantize_with_scale(w.double(), scale.double(), bits)
-    return ((w.double() - q.double() * scale.double()) ** 2).sum(dim=-1)
+    error = (w.double() - q.double() * scale.double()) ** 2
+    return (error if importance is None else error * importance.double()).sum(dim=-1)
 
 
 GRID_KERNEL = True  # CUDA: the search as one Triton kernel (bench/gptq_batched.py turns it off to compare)
@@ -215,13 +218,6 @@ def _grid_passes(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
     return best_s.to(torch.float32)
 
 
-def _weighted_errors(w: torch.Tensor, imp: torch.Tensor, scale: torch.Tensor, d: IntDtype) -> torch.Tensor:
-    """sum_j imp_j (w_j - s q_j)^2 per row in float64 (the kernel's check)."""
-    w64, s64 = w.double(), scale.double()
-    q = torch.div(w64, s64).round_().clamp_(d.qmin, d.qmax)
-    return (w64 - q * s64).square_().mul_(imp.double()).sum(dim=-1)
-
-
 def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
                  refine: int) -> torch.Tensor | None:
     """`grid_scale_search` by ops/grid_search.py. Its first search in a process is held to the elementwise passes
@@ -246,7 +242,7 @@ def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
             return found.view(*lead, rows, 1)
         first = w2.reshape(-1, rows, cols)[:1]
         passes = _grid_passes(first, weights[:1], base.reshape(-1, rows, 1)[:1], d, steps, min_ratio, refine)
-        ours, theirs = (_weighted_errors(first, weights[:1], s, d) for s in (found[:1], passes))
+        ours, theirs = (quant_mse(first, s, d, importance=weights[:1]) for s in (found[:1], passes))
         excess = float(((ours - theirs).abs() / theirs.clamp_min(1e-300)).max())
         if excess <= 1e-6:
             _GRID_KERNEL_CHECKED = True
