@@ -243,6 +243,26 @@ def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
         assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
 
 
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
+    """On accelerators a grouped call writes its experts' products into one float32 buffer: the int8 rows made
+    float32 once, one per-token scaling of all rows, each expert's weight scales on its rows. Reference: each
+    module's `integer_product` of its rows (float32), concatenated; tolerance: none (the same float32 operations in
+    the same order; on the CPU's tensors here: the products of integers are exact in any order)."""
+    from msmodelslim.quant.functional import quantize_per_token
+    from msmodelslim.quant.granularity import int8
+    from msmodelslim.quant.modules import _one_product_buffer, _products_in_one_buffer
+
+    experts = _expert_block(kind)
+    modules = [expert.w1 for expert in experts.values()]
+    x, _, _ = _routing()
+    bounds = [(0, 3), (3, 3), (3, 10), (10, 24), (24, 25), (25, 40)]  # an expert without rows among them
+    qx, sx = quantize_per_token(x, int8)
+    assert _one_product_buffer(modules)
+    reference = torch.cat([m.integer_product(qx[a:b], sx[a:b]) for m, (a, b) in zip(modules, bounds)])
+    assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+
+
 def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
     """`experts_weigh_rows` (spec.affinity_guided_experts): an expert's Hessian is sum_t w_t x_t x_t^T over its routed
     rows, scaled to their count, its w1 and w3 share it, and the block's output is unchanged (bit for bit: the
