@@ -248,7 +248,9 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
     """On accelerators a grouped call writes its experts' products into one float32 buffer: the int8 rows made
     float32 once, one per-token scaling of all rows, each expert's weight scales on its rows. Reference: each
     module's `integer_product` of its rows (float32), concatenated; tolerance: none (the same float32 operations in
-    the same order; on the CPU's tensors here: the products of integers are exact in any order)."""
+    the same order; on the CPU's tensors here: the products of integers are exact in any order), each of its ops
+    one that Atlas A2/A3 runs (the Ascend op check)."""
+    from msmodelslim.core import ascend_check
     from msmodelslim.quant.functional import quantize_per_token
     from msmodelslim.quant.granularity import int8
     from msmodelslim.quant.modules import _one_product_buffer, _products_in_one_buffer
@@ -260,7 +262,10 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
     qx, sx = quantize_per_token(x, int8)
     assert _one_product_buffer(modules)
     reference = torch.cat([m.integer_product(qx[a:b], sx[a:b]) for m, (a, b) in zip(modules, bounds)])
-    assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+    report: dict = {}
+    with ascend_check.run_checked(torch.device("cpu"), True, report):  # an NPU takes this path too
+        assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+    assert report["ascend_ops_checked"] >= 3 * len(modules)
 
 
 def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
