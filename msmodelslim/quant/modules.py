@@ -416,39 +416,56 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
 
     Bit-identical to calling each module on its rows, with fewer launches: the QuantLinears of
     `_shares_quantized_rows` take the per-token quantization of all rows at once (a per-row computation) and only
-    their products per group, and their forward hooks (statistics of input and output: the quant report's) are
-    called with the group's rows and output as the module's call would; any other module is called as usual (its
-    hooks see its rows, and every reader of a group the same tensor, so readers of one input share a Hessian)."""
+    their products per group (on accelerators into one buffer per position: `_products_in_one_buffer`), and their
+    forward hooks (statistics of input and output: the quant report's) are called with the group's rows and output
+    as the module's call would; any other module is called as usual. Calls and hooks come group by group, each
+    group's readers one after the other with the same tensor: that is how readers of one input share a Hessian
+    (pipeline/statistics.py)."""
     quantized: dict[IntDtype, tuple[torch.Tensor, torch.Tensor]] = {}
-    rows = [x[start:end] for start, end in bounds]  # one tensor per group: its readers' hooks see the same one
-    outputs = []
-    for j in range(len(readers[0]) if readers else 0):
-        modules = [group[j] for group in readers]
-        if not all(_shares_quantized_rows(m) for m in modules):
-            outputs.append(torch.cat([m(r) for m, r in zip(modules, rows, strict=True)]))
-            continue
-        for act in {m.scheme.act for m in modules} - quantized.keys():
+
+    def quantized_rows(module: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        act = module.scheme.act
+        if act not in quantized:
             quantized[act] = quantize_per_token(x, act)
-        if x.device.type != "cpu" and _one_product_buffer(modules):
-            out = _products_in_one_buffer(modules, quantized[modules[0].scheme.act], bounds)
-        else:  # the CPU casts each group's product while it is in cache, accelerators the concatenation (one launch)
-            dtype = x.dtype if x.device.type == "cpu" else torch.float32
-            out = torch.cat([m.integer_product(*(t[start:end] for t in quantized[m.scheme.act]), dtype)
-                             for m, (start, end) in zip(modules, bounds, strict=True)])
-        out = out.to(x.dtype)
-        for m, r, (start, end) in zip(modules, rows, bounds, strict=True):
-            for hook in m._forward_hooks.values():
-                if hook(m, (r,), out[start:end]) is not None:
-                    raise RuntimeError(f"a forward hook of {m} replaced the output of a grouped expert call")
-        outputs.append(out)
-    return outputs
+        return quantized[act]
+
+    on_accelerator = x.device.type != "cpu"
+    # the CPU casts each group's product while it is in cache; accelerators cast the concatenation (one launch)
+    product_dtype = torch.float32 if on_accelerator else x.dtype
+    positions = [[group[j] for group in readers] for j in range(len(readers[0]) if readers else 0)]
+    buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds).to(x.dtype)
+               if _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
+    pieces: list[list[torch.Tensor]] = [[] for _ in positions]
+    for group, (start, end) in zip(readers, bounds, strict=True):
+        rows = x[start:end]
+        for j, module in enumerate(group):
+            if buffers[j] is not None:
+                y = buffers[j][start:end]
+            elif _shares_quantized_rows(module):
+                qx, sx = quantized_rows(module)
+                y = module.integer_product(qx[start:end], sx[start:end], product_dtype)
+                pieces[j].append(y)
+            else:
+                pieces[j].append(module(rows))
+                continue
+            for hook in module._forward_hooks.values():
+                if hook(module, (rows,), y.to(x.dtype)) is not None:
+                    raise RuntimeError(f"a forward hook of {module} replaced the output of a grouped expert call")
+    return [buffer if buffer is not None else torch.cat(p).to(x.dtype) for buffer, p in zip(buffers, pieces)]
 
 
-def _one_product_buffer(modules: Sequence[QuantLinear]) -> bool:
-    """Per-channel QuantLinears of one activation type and output width whose integer weights are float32: their
-    products can share one float32 buffer and one per-token scaling (`_products_in_one_buffer`)."""
+def _buffers_products(x: torch.Tensor) -> bool:
+    """Whether grouped products of x's rows go into one buffer per reader position: on accelerators, where each
+    launch costs; the CPU computes each group's product and its cast while they are in cache."""
+    return x.device.type != "cpu"
+
+
+def _one_product_buffer(modules: Sequence[nn.Module]) -> bool:
+    """Per-channel QuantLinears sharing quantized rows, of one activation type and output width: their products
+    can share one float32 buffer and one per-token scaling (`_products_in_one_buffer`; accelerators, whose integer
+    weights are float32)."""
     first = modules[0]
-    return all(m.scheme.act == first.scheme.act and m.out_features == first.out_features
+    return all(_shares_quantized_rows(m) and m.scheme.act == first.scheme.act and m.out_features == first.out_features
                and m.weight_scale.shape[-1] == 1 for m in modules)
 
 

@@ -150,18 +150,23 @@ def _expert_by_expert(experts: torch.nn.ModuleDict, x: torch.Tensor, idx: torch.
     return out.sum(dim=1).to(x.dtype)
 
 
+@pytest.mark.parametrize("buffered", [False, True], ids=["cpu", "accelerator products"])
 @pytest.mark.parametrize("kind", ["float", "w4a8", "w4a8_group", "w8a8"])
-def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind):
+def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind, buffered):
     """A rank's experts run as one group (one gather, one activation, each input quantized per token once, one
-    scatter). Reference: each expert called on its rows; tolerance: none (every row's arithmetic is the same)."""
+    scatter), with the CPU's products per group or an accelerator's in one buffer per linear position (taken here
+    on the CPU's tensors). Reference: each expert called on its rows; tolerance: none (every row's arithmetic is
+    the same)."""
     from msmodelslim.core.dist import SINGLE
     from msmodelslim.model.common import expert_parallel
+    from msmodelslim.quant import modules
 
     experts = _expert_block(kind)
     x, idx, w = _routing()
     groups = []
     original = expert_parallel._grouped_experts
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modules, "_buffers_products", lambda _x: buffered)
         mp.setattr(expert_parallel, "_grouped_experts", lambda *a: groups.append(1) or original(*a))
         grouped = expert_parallel.ep_moe_infer(experts, x, idx, w, SINGLE)
         assert groups, "the grouped path was not taken"
@@ -199,20 +204,23 @@ def test_grouped_experts_fill_the_quant_report_as_each_expert_would():
 
 
 def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and_w3():
-    """Statistics hooks see, per expert, the rows it would be called on (w1 and w3 the very same tensor, which is how
-    readers of one input share a Hessian); an expert with a hook of its own is called as a module."""
+    """Statistics hooks see, per expert, the rows it would be called on, w1 and w3 the very same tensor one call
+    after the other (how readers of one input share a Hessian: pipeline/statistics.py compares each call's input
+    with the previous call's); an expert with a hook of its own is called as a module."""
     from msmodelslim.core.dist import SINGLE
     from msmodelslim.model.common.expert_parallel import ep_moe_infer
 
     experts = _expert_block("float")
     x, idx, w = _routing()
     seen: dict[tuple[str, str], torch.Tensor] = {}
+    order: list[tuple[str, str]] = []
     for key, expert in experts.items():
         for name in ("w1", "w3", "w2"):
             getattr(expert, name).register_forward_pre_hook(
-                lambda _m, args, k=key, n=name: seen.__setitem__((k, n), args[0]))
+                lambda _m, args, k=key, n=name: seen.__setitem__((k, n), args[0]) or order.append((k, n)))
     with torch.no_grad():
         ep_moe_infer(experts, x, idx, w, SINGLE)
+        assert all(order[i + 1] == (key, "w3") for i, (key, name) in enumerate(order) if name == "w1")
         for key, expert in experts.items():
             rows, _ = torch.nonzero(idx == int(key), as_tuple=True)
             if not rows.numel():
