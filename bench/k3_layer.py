@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, line_fit, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from msmodelslim.pipeline.spill import BUDGET_ENV  # noqa: E402
 
 EP = 8
 EXPERTS_PER_RANK = 896 // EP
@@ -126,11 +127,12 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                                  spec={**({} if batch is None else {"micro_batch_tokens": batch}),
                                        **({} if args.resume_every is None else {"resume_every": args.resume_every})})
 
+    state_env = None if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
     # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
     # micro-batch size autotuned again (2.5 min inside a timed run on the H200), so each variant warms up
     warmup = sizes[0] if args.warmup_tokens is None else args.warmup_tokens
     for tree, batch in variants.values() if warmup else ():
-        run_quant(model, out, args.device, practice_for(warmup, batch), tree=tree)
+        run_quant(model, out, args.device, practice_for(warmup, batch), tree=tree, extra_env=state_env)
     if args.profile:  # each calibration pass's operators, one run at the smallest size (printed, not in the JSON)
         prefix = BENCH_OUT / "k3_layer_profile"
         for batch in batches:
@@ -140,7 +142,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for t in sizes:
         for name, (tree, batch) in variants.items():
-            run = run_quant(model, out, args.device, practice_for(t, batch), tree=tree)["ranks"][0]
+            run = run_quant(model, out, args.device, practice_for(t, batch), tree=tree, extra_env=state_env)["ranks"][0]
             run["tokens_requested"] = t
             results[name].append(run)
             # every stage as it comes, so a run cut by a call's limit still tells where its time went
@@ -189,6 +191,10 @@ def main() -> None:
     p.add_argument("--resume-every", type=int, default=None,
                    help="with --tokens: spec.resume_every (the resumable state of all T tokens, ~14 KiB each, must "
                         "fit the disk: 5 units' states at 1M tokens are 70 GiB)")
+    p.add_argument("--host-state-gib", type=float, default=None,
+                   help="with --tokens: $MSMODELSLIM_HOST_STATE_GIB, the samples' state a rank keeps in memory before "
+                        "it spills to disk (this layer's state is ~28 KiB per token: 4M tokens need ~110 GiB of "
+                        "memory and disk together)")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="with --tokens: the untimed first run's size (default: the smallest T; 0: none, for a "
                         "machine on which an earlier call of the same variants has already compiled and autotuned)")
