@@ -165,12 +165,21 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             tokens = [r["tokens_requested"] for r in runs]
             marginal = {k: round(1000 * line_fit(tokens, [r.get(k, 0.0) for r in runs])[0], 4)
                         for k in runs[-1] if isinstance(runs[-1][k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
-            per_token, fixed = line_fit(tokens, [r["runner_wall"] for r in runs])  # as plan_records.json holds it
+            # as plan_records.json holds it: the unit's line without the run's final flush of the resumable state
+            # (`resume_flush`, once per run whatever the layers), and that flush's own line
+            flushes = [r.get("resume_flush", 0.0) for r in runs]
+            per_token, fixed = line_fit(tokens, [r["runner_wall"] - f for r, f in zip(runs, flushes)])
+            once_per_token, once = line_fit(tokens, flushes)
             record = {"seconds_fixed_per_decoder_unit": round(fixed, 1),
-                      "ms_per_token_per_decoder_unit": round(1000 * per_token, 4)}
+                      "ms_per_token_per_decoder_unit": round(1000 * per_token, 4),
+                      "seconds_once_per_run": round(once, 1), "ms_per_token_once_per_run": round(1000 * once_per_token, 4),
+                      "measured_tokens": tokens, "measured_seconds": [round(r["runner_wall"], 1) for r in runs],
+                      "measured_once_per_run_seconds": [round(f, 2) for f in flushes]}
         largest = runs[-1]
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
-                         "projected_model_hours_per_rank_at_largest": round(largest["runner_wall"] * args.layers / 3600, 2)}
+                         "projected_model_hours_per_rank_at_largest": round(
+                             ((largest["runner_wall"] - largest.get("resume_flush", 0.0)) * args.layers
+                              + largest.get("resume_flush", 0.0)) / 3600, 2)}
     return summary
 
 

@@ -191,12 +191,14 @@ def _time_estimate(facts: ModelFacts, device_type: str, world: int, units: list[
         if (record["device_type"], record["hidden_size"], record["experts_per_rank"]) == \
                 (device_type, facts.hidden_size, experts_per_rank):
             per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
-            seconds = per_unit * decoders
+            # the run's final flush of the resumable state: once, not per unit (pipeline/hooks.py, `resume_flush`)
+            once = record.get("seconds_once_per_run", 0.0) + record.get("ms_per_token_once_per_run", 0.0) * tokens / 1e3
+            seconds = per_unit * decoders + once
             return {"seconds": round(seconds), "hours": round(seconds / 3600, 2), "record": record,
                     "assumes": f"{decoders} decoder and MTP units of {per_unit:.0f} s each at {tokens} calibration "
-                               f"tokens (the record: {record['seconds_fixed_per_decoder_unit']:g} s + "
-                               f"{record['ms_per_token_per_decoder_unit']:g} ms per token, on {record['device']}; an "
-                               f"upper bound)"}
+                               f"tokens and {once:.0f} s once (the record: {record['seconds_fixed_per_decoder_unit']:g} "
+                               f"s + {record['ms_per_token_per_decoder_unit']:g} ms per token per unit, on "
+                               f"{record['device']}; an upper bound)"}
     return {"seconds": None, "note": f"no benchmark record for {device_type} with hidden size {facts.hidden_size} "
                                      f"and {experts_per_rank} experts per rank (plan_records.json)"}
 

@@ -225,9 +225,9 @@ def test_a_calibration_state_above_the_host_budget_is_said_to_spill_before_compu
 
 def test_the_time_estimate_is_the_records_fixed_cost_plus_its_cost_per_token_per_decoder_unit():
     """A model that matches a benchmark record (device type, hidden size, experts per rank): per decoder or MTP unit
-    the record's fixed seconds plus its milliseconds per calibration token times the run's tokens (reference: the
-    record in plan_records.json, computed here); other units cost nothing; 4x the tokens costs more. No match: no
-    number."""
+    the record's fixed seconds plus its milliseconds per calibration token times the run's tokens, and once the
+    run's final flush of the resumable state at those tokens (reference: the record in plan_records.json, computed
+    here); other units cost nothing; 4x the tokens costs more. No match: no number."""
     from msmodelslim.app.plan import RECORDS_FILE, _time_estimate
     from msmodelslim.model.base import Unit
     from msmodelslim.model.facts import ModelFacts
@@ -241,6 +241,7 @@ def test_the_time_estimate_is_the_records_fixed_cost_plus_its_cost_per_token_per
     tokens = 262144
     got = _time_estimate(facts, record["device_type"], 8, units, tokens)
     per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
-    assert got["seconds"] == round(4 * per_unit)
+    once = record["seconds_once_per_run"] + record["ms_per_token_once_per_run"] * tokens / 1e3
+    assert got["seconds"] == round(4 * per_unit + once)
     assert _time_estimate(facts, record["device_type"], 8, units, 4 * tokens)["seconds"] > got["seconds"]
     assert _time_estimate(facts, "npu", 8, units, tokens)["seconds"] is None
