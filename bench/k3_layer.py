@@ -110,6 +110,13 @@ def stage_peaks(run: dict) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])}
 
 
+def decoder_wall(run: dict) -> float:
+    """The decoder unit's seconds in a run's statistics (the runner's `unit_seconds`; before it was recorded: the
+    run's wall less its final flush of the resumable state, the vision, embedding and head units included)."""
+    walls = [s for name, s in run.get("unit_seconds", {}).items() if name.startswith("layers.")]
+    return sum(walls) if walls else run["runner_wall"] - run.get("resume_flush", 0.0)
+
+
 def scale_runs(args: argparse.Namespace, model: Path) -> dict:
     """Runs at each calibration size T (after a warm-up), and the marginal cost per token between sizes; one
     variant per package tree and micro-batch size, side by side in the same sitting."""
@@ -165,21 +172,22 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             tokens = [r["tokens_requested"] for r in runs]
             marginal = {k: round(1000 * line_fit(tokens, [r.get(k, 0.0) for r in runs])[0], 4)
                         for k in runs[-1] if isinstance(runs[-1][k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
-            # as plan_records.json holds it: the unit's line without the run's final flush of the resumable state
-            # (`resume_flush`, once per run whatever the layers), and that flush's own line
-            flushes = [r.get("resume_flush", 0.0) for r in runs]
-            per_token, fixed = line_fit(tokens, [r["runner_wall"] - f for r, f in zip(runs, flushes)])
-            once_per_token, once = line_fit(tokens, flushes)
+            # as plan_records.json holds it: the decoder unit's line, and the line of the rest of the run, which a
+            # model pays once whatever its layers (the vision, embedding and head units, the final flush of the
+            # resumable state, the output's publication)
+            decoder = [decoder_wall(r) for r in runs]
+            per_token, fixed = line_fit(tokens, decoder)
+            once_per_token, once = line_fit(tokens, [r["runner_wall"] - d for r, d in zip(runs, decoder)])
             record = {"seconds_fixed_per_decoder_unit": round(fixed, 1),
                       "ms_per_token_per_decoder_unit": round(1000 * per_token, 4),
                       "seconds_once_per_run": round(once, 1), "ms_per_token_once_per_run": round(1000 * once_per_token, 4),
                       "measured_tokens": tokens, "measured_seconds": [round(r["runner_wall"], 1) for r in runs],
-                      "measured_once_per_run_seconds": [round(f, 2) for f in flushes]}
+                      "measured_decoder_unit_seconds": [round(d, 2) for d in decoder]}
         largest = runs[-1]
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
                          "projected_model_hours_per_rank_at_largest": round(
-                             ((largest["runner_wall"] - largest.get("resume_flush", 0.0)) * args.layers
-                              + largest.get("resume_flush", 0.0)) / 3600, 2)}
+                             (decoder_wall(largest) * args.layers + largest["runner_wall"] - decoder_wall(largest))
+                             / 3600, 2)}
     return summary
 
 

@@ -226,7 +226,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
             stats = runner.run(mine)
         write_profile(profiler, rank)
         result = {**stats.seconds, **checked, "runner_wall": time.perf_counter() - start, "world_size": world,
-                  "calibration_passes": dict(stats.passes),
+                  "calibration_passes": dict(stats.passes), "unit_seconds": dict(stats.unit_seconds),
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         if stats.peak is not None:  # an accelerator: the most memory it held, over the run and per stage
             result["peak_device_gb"] = stats.peak

@@ -62,6 +62,9 @@ class RunStats:
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     passes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # forwards over the samples, per unit
+    # each unit's wall, from waiting for its load to its hooks' `unit_done` (what a model's layer count multiplies;
+    # the run's end, `loop_done` and the output's publication, is once per run)
+    unit_seconds: dict[str, float] = field(default_factory=dict)
     # the most device memory held (GiB) in each stage that is not made of others, and over the run (accelerators)
     peaks: dict[str, float] = field(default_factory=dict)
     peak: float | None = None
@@ -222,6 +225,7 @@ class LayerWiseRunner:
             loader.start(first)
             for i in range(first, len(units)):
                 unit, last = units[i], i + 1 == len(units)
+                started = time.perf_counter()
                 bar.set_postfix_str(unit.name)
                 with self.stage("load"):  # (in the background: the wait for it)
                     module = loader.take()
@@ -236,6 +240,7 @@ class LayerWiseRunner:
                     release_cached_memory(self.dist.device)  # the next unit's different shapes reuse none of these
                 for hook in self.hooks:
                     hook.unit_done(self, i, states, last)
+                self.stats.unit_seconds[unit.name] = time.perf_counter() - started
                 bar.update(1)
                 logger.debug("unit %s done", unit.name)
             for hook in self.hooks:

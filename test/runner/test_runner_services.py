@@ -561,3 +561,44 @@ def test_the_pass_that_makes_the_next_units_inputs_drops_each_input_once_its_out
         if resumable:  # written while unit 1 dropped them: every state of unit 0's outputs
             assert [torch.equal(kept["x"], s["x"] * 2) for kept, s in zip(resume.unit0, samples, strict=True)] \
                 == [True] * 5
+
+
+def test_the_run_times_each_unit_from_its_load_to_its_hooks_and_the_runs_end_apart():
+    """`RunStats.unit_seconds`: each unit's wall, its load, processors, forward and hooks' `unit_done` included (what
+    a model's layer count multiplies in `--plan`'s record), and the run's end (`loop_done`) in none of them.
+    Reference: sleeps of 0.3 s in unit 1's forward, in a hook's `unit_done` after unit 2 and in its `loop_done`;
+    tolerance: the other units under 0.3 s, every unit's wall within the run's."""
+    import time
+
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+
+    units = [Unit(f"layers.{i}", "decoder", f"model.layers.{i}.", i) for i in range(3)]
+
+    class ThreeUnits(OneUnitAdapter):
+        def units(self) -> list[Unit]:
+            return units
+
+        def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+            return two_readers()  # (a freed unit's module is left on the meta device)
+
+        def forward_unit(self, unit: Unit, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+            if unit is units[1]:
+                time.sleep(0.3 / 2)  # two samples
+            return super().forward_unit(unit, module, state)
+
+    class Slow(UnitHook):
+        def unit_done(self, run: Any, index: int, states: Any, last: bool) -> None:
+            if index == 2:
+                time.sleep(0.3)
+
+        def loop_done(self, run: Any) -> None:
+            time.sleep(0.3)
+
+    samples = [{"x": torch.randn(4, 12)} for _ in range(2)]
+    runner = LayerWiseRunner(ThreeUnits(), [], [Slow()], background=False)
+    start = time.perf_counter()
+    walls = runner.run(samples).unit_seconds
+    total = time.perf_counter() - start
+    assert list(walls) == ["layers.0", "layers.1", "layers.2"]
+    assert walls["layers.0"] < 0.3 <= walls["layers.1"] and walls["layers.2"] >= 0.3
+    assert sum(walls.values()) + 0.3 <= total
