@@ -191,7 +191,8 @@ def _time_estimate(facts: ModelFacts, device_type: str, world: int, units: list[
         if (record["device_type"], record["hidden_size"], record["experts_per_rank"]) == \
                 (device_type, facts.hidden_size, experts_per_rank):
             per_unit = record["seconds_fixed_per_decoder_unit"] + record["ms_per_token_per_decoder_unit"] * tokens / 1e3
-            # the run's final flush of the resumable state: once, not per unit (pipeline/hooks.py, `resume_flush`)
+            # what the run pays once whatever its layers: the final flush of the resumable state (pipeline/hooks.py,
+            # `resume_flush`), the units that are no layer
             once = record.get("seconds_once_per_run", 0.0) + record.get("ms_per_token_once_per_run", 0.0) * tokens / 1e3
             seconds = per_unit * decoders + once
             return {"seconds": round(seconds), "hours": round(seconds / 3600, 2), "record": record,

@@ -433,8 +433,11 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     # the CPU casts each group's product while it is in cache; accelerators cast the concatenation (one launch)
     product_dtype = torch.float32 if on_accelerator else x.dtype
     positions = [[group[j] for group in readers] for j in range(len(readers[0]) if readers else 0)]
+    # one buffer is the concatenation only where the groups tile x's rows in order (the grouped experts' do)
+    tiled = bool(bounds) and bounds[0][0] == 0 and bounds[-1][1] == x.shape[0] and \
+        all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds).to(x.dtype)
-               if _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
+               if tiled and _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
     pieces: list[list[torch.Tensor]] = [[] for _ in positions]
     for group, (start, end) in zip(readers, bounds, strict=True):
         rows = x[start:end]

@@ -257,11 +257,12 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
     float32 once, one per-token scaling of all rows, each expert's weight scales on its rows. Reference: each
     module's `integer_product` of its rows (float32), concatenated; tolerance: none (the same float32 operations in
     the same order; on the CPU's tensors here: the products of integers are exact in any order), each of its ops
-    one that Atlas A2/A3 runs (the Ascend op check)."""
+    one that Atlas A2/A3 runs (the Ascend op check); groups that do not tile the rows take the concatenation."""
     from msmodelslim.core import ascend_check
+    from msmodelslim.quant import modules as modules_module
     from msmodelslim.quant.functional import quantize_per_token
     from msmodelslim.quant.granularity import int8
-    from msmodelslim.quant.modules import _one_product_buffer, _products_in_one_buffer
+    from msmodelslim.quant.modules import _one_product_buffer, _products_in_one_buffer, linears_over_row_groups
 
     experts = _expert_block(kind)
     modules = [expert.w1 for expert in experts.values()]
@@ -270,6 +271,10 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
     qx, sx = quantize_per_token(x, int8)
     assert _one_product_buffer(modules)
     reference = torch.cat([m.integer_product(qx[a:b], sx[a:b]) for m, (a, b) in zip(modules, bounds)])
+    with pytest.MonkeyPatch.context() as mp:  # groups that leave rows out: the concatenation, not one buffer
+        mp.setattr(modules_module, "_buffers_products", lambda _x: True)
+        (gaps,) = linears_over_row_groups([(m,) for m in modules[:2]], x, [(0, 3), (10, 24)])
+    assert torch.equal(gaps, torch.cat([modules[0](x[0:3]), modules[1](x[10:24])]))
     report: dict = {}
     with ascend_check.run_checked(torch.device("cpu"), True, report):  # an NPU takes this path too
         assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
