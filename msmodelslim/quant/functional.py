@@ -195,6 +195,11 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
     return _grid_passes(w2, imp, base, d, steps, min_ratio, refine)
 
 
+def _grid_ratios(steps: int, min_ratio: float) -> list[float]:
+    """The grid's fractions of the min/max scale, 1 down to `min_ratio` (both searches try the same scales)."""
+    return [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
+
+
 def _grid_passes(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: IntDtype, steps: int, min_ratio: float,
                  refine: int) -> torch.Tensor:
     """The search as elementwise passes over the whole batch (`imp` [..., 1, in], `base` the min/max scales)."""
@@ -206,8 +211,8 @@ def _grid_passes(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
         return prod.square_().mul_(imp).sum(dim=-1, keepdim=True)
 
     best_s, best_err = base, error(base)
-    for k in range(1, steps):
-        s = base * (1.0 - k * (1.0 - min_ratio) / (steps - 1))
+    for ratio in _grid_ratios(steps, min_ratio)[1:]:
+        s = base * ratio
         best_s, best_err = keep_better(best_s, best_err, s, error(s))
     for _ in range(refine):
         torch.div(w2, best_s, out=q).round_().clamp_(d.qmin, d.qmax)
@@ -226,7 +231,7 @@ def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
     searches with the passes, and says so once."""
     global GRID_KERNEL, _GRID_KERNEL_CHECKED
     *lead, rows, cols = w2.shape
-    ratios = [1.0 - k * (1.0 - min_ratio) / (steps - 1) for k in range(steps)]
+    ratios = _grid_ratios(steps, min_ratio)
     weights = imp.expand(*lead, 1, cols).reshape(-1, 1, cols)
     try:
         from msmodelslim.ops.grid_search import grid_search
