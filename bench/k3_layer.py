@@ -132,7 +132,8 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
         return shrunken_practice(Path(args.practice), BENCH_OUT / f"k3_layer_practice_{t}_{batch}.yaml", records,
                                  args.max_seq_len, dataset=folder,
                                  spec={**({} if batch is None else {"micro_batch_tokens": batch}),
-                                       **({} if args.resume_every is None else {"resume_every": args.resume_every})})
+                                       **({} if args.resume_every is None else {"resume_every": args.resume_every}),
+                                       **({} if args.report_tokens is None else {"report_tokens": args.report_tokens})})
 
     state_env = None if args.host_state_gib is None else {BUDGET_ENV: str(args.host_state_gib)}
     # Triton compilation and autotuning, not timed: fla keeps its choices on disk per kernel shape, and another
@@ -154,6 +155,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             results[name].append(run)
             # every stage as it comes, so a run cut by a call's limit still tells where its time went
             print(json.dumps({"variant": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
+                              "decoder_unit_s": round(decoder_wall(run), 2),
                               "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
                               "peak_rss_gb": round(run["peak_rss_gb"], 2),
                               "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
@@ -208,6 +210,9 @@ def main() -> None:
     p.add_argument("--resume-every", type=int, default=None,
                    help="with --tokens: spec.resume_every (the resumable state of all T tokens, ~14 KiB each, must "
                         "fit the disk: 5 units' states at 1M tokens are 70 GiB)")
+    p.add_argument("--report-tokens", type=int, default=None,
+                   help="with --tokens: spec.report_tokens (the quant report observes the first 65,536 tokens by "
+                        "default: a profile at 65k tokens with 1 shows a pass as it runs past them)")
     p.add_argument("--host-state-gib", type=float, default=None,
                    help="with --tokens: $MSMODELSLIM_HOST_STATE_GIB, the samples' state a rank keeps in memory before "
                         "it spills to disk (this layer's state is ~28 KiB per token: 4M tokens need ~110 GiB of "

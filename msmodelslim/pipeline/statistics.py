@@ -77,23 +77,37 @@ class Statistic:
         raise NotImplementedError
 
 
+def same_input(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether b is the tensor a was, unchanged: what readers of one input (an expert's w1 and w3, q/k/v) are
+    called with one after the other."""
+    return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
+        and a._version == b._version
+
+
 @statistic
 class AbsMax(Statistic):
-    """Per input channel max |x| (float32 [d])."""
+    """Per input channel max |x| (float32 [d]). A reader called with the input the previous call had (an expert's
+    w3 after its w1) takes that call's maxima, not another reduction."""
 
     field = "absmax"
 
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         super().__init__(request, ranges, device)
         self.values: dict[str, torch.Tensor] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its maxima) of the last call
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        amax = x.abs().amax(dim=0).float()
+        if self._last is not None and same_input(self._last[0], x):
+            amax = self._last[1]
+        else:
+            amax = x.abs().amax(dim=0).float()
+            self._last = (x, amax)  # holding it keeps its address unique while it is compared
         prev = self.values.get(name)
         self.values[name] = amax if prev is None else torch.maximum(prev, amax)
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
+        self._last = None
         for name in self.names:
             self.values.setdefault(name, torch.zeros(width(modules[name]), dtype=torch.float32, device=self.device))
         shared = dist.all_reduce_max({n: v for n, v in self.values.items() if replicated(n)})
@@ -139,14 +153,13 @@ class Hessian(Statistic):
 
     def record(self, name: str, x: torch.Tensor) -> None:
         last = self._last
-        same_input = last is not None and last[1].data_ptr() == x.data_ptr() and last[1].shape == x.shape \
-            and last[1]._version == x._version
+        same = last is not None and same_input(last[1], x)
         leader = self.leader.get(name)
         if leader is not None and leader != name:  # a follower: its leader just recorded this input
-            if not same_input or last[0] != leader:
+            if not same or last[0] != leader:
                 raise RuntimeError(f"{name} shared its input with {leader} and then read another one")
             return
-        if leader is None and same_input:  # first call: reads what the previous reader read
+        if leader is None and same:  # first call: reads what the previous reader read
             self.leader[name] = last[0]
             return
         self.leader[name] = name

@@ -4,7 +4,8 @@ Forward (what vLLM-Ascend computes), so the next unit calibrates on what inferen
     x  <- x @ online_rotation^T                    (if the layer has one; see below)
   integer schemes (W8A8_DYNAMIC / W4A8_DYNAMIC / W4A4_DYNAMIC, Atlas A2/A3):
     qx, sx = per-token symmetric quantization of x  (one scale per token over the last dim, int8 or int4)
-    y  = (qx @ qweight^T) * sx * weight_scale^T    (integer GEMM, see _integer_matmul), cast to x's dtype;
+    y  = (qx @ qweight^T) * sx * weight_scale^T    (integer GEMM: `int8_gemm_fits`, `_integer_matmul`), cast to
+                                                   x's dtype;
          with per-group weight scales [out, in / group] (W4A8_DYNAMIC, group_size > 0) the same sum over
          qx * (q * group scale), in float32
   MX schemes (W4A16_MXFP4 / W4A8_MXFP / W8A8_MXFP8 / W4A4_MXFP4, Ascend 950):
@@ -240,6 +241,27 @@ def dequantize_weight(scheme: QuantScheme, qweight: torch.Tensor, weight_scale: 
 
 
 CPU_FLOAT_PRODUCT = "the CPU's exact float product of integers (float64 for wide W8A8 rows); an NPU multiplies in float32"
+INT8_GEMM = "CUDA's int8 GEMM with int32 sums; an NPU multiplies the integers in float32 on HF32 tensor cores"
+INT8_GEMM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows: fewer are padded with zero rows
+
+
+def int8_gemm_fits(device: torch.device, in_features: int, out_features: int) -> bool:
+    """Whether a per-channel integer product runs as an int8 GEMM with int32 sums (`_int8_gemm`): on CUDA, for
+    the widths cuBLASLt's int8 kernels take (multiples of 8). Its integers are exact at every width, as the
+    deployed kernel's are (TF32 rounds W8A8 sums past 2^24), the int8 weights are multiplied as stored (no float32
+    copy of each weight per call) and the tensor cores run int8 at twice TF32's rate."""
+    return device.type == "cuda" and in_features % 8 == 0 and out_features % 8 == 0
+
+
+def _int8_gemm(rows: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [m, in] int8 @ qweight [out, in]^T as int32 (`torch._int_mm`), written into `out` [m, out] if given."""
+    with not_on_npu(INT8_GEMM):
+        if rows.shape[0] >= INT8_GEMM_MIN_ROWS:
+            return torch._int_mm(rows, qweight.t()) if out is None else torch._int_mm(rows, qweight.t(), out=out)
+        padded = rows.new_zeros(INT8_GEMM_MIN_ROWS, rows.shape[1])
+        padded[:rows.shape[0]] = rows
+        product = torch._int_mm(padded, qweight.t())[:rows.shape[0]]
+        return product if out is None else out.copy_(product)
 
 
 def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> torch.Tensor:
@@ -248,9 +270,9 @@ def integer_weight(qweight: torch.Tensor, act_bits: int, weight_bits: int) -> to
     at most in * 2^(act_bits - 1) * 2^(weight_bits - 1), exact in float32 up to 2^24 (W4A8 up to 16,384 inputs) and
     in float64 beyond (W8A8 rows over 1,024 inputs), so the order of the sums cannot change a bit. The CPU's own
     int32 GEMM (`torch._int_mm`) gives the same integers, but without VNNI it ran 15x slower than the float32 GEMM
-    (AVX2: 11.5 vs 0.74 s for 8192 x 2048 -> 1024). Elsewhere float32, multiplied on TF32 / HF32 tensor cores,
-    which hold 8-bit integers exactly: exact while the sums stay below 2^24 (always for W4A8; W8A8 rows over ~1000
-    inputs can round in the last bits)."""
+    (AVX2: 11.5 vs 0.74 s for 8192 x 2048 -> 1024). Elsewhere (an NPU; CUDA where `int8_gemm_fits` does not)
+    float32, multiplied on TF32 / HF32 tensor cores, which hold 8-bit integers exactly: exact while the sums stay
+    below 2^24 (always for W4A8; W8A8 rows over ~1000 inputs can round in the last bits)."""
     if qweight.device.type == "cpu" and qweight.shape[-1] << (act_bits - 1 + weight_bits - 1) > 1 << 24:
         with not_on_npu(CPU_FLOAT_PRODUCT):
             return qweight.to(torch.float64)
@@ -376,6 +398,10 @@ class QuantLinear(nn.Module):
         (scales, cast) runs in cache, not through memory (3.5x at 8192 x 512 -> 1536); the values are the same,
         row by row."""
         per_group = self.weight_scale.shape[-1] > 1  # its scales do not factor out of the sum: float32 products
+        if not per_group and int8_gemm_fits(qx.device, self.in_features, self.out_features):
+            product = _int8_gemm(qx.reshape(-1, self.in_features), self.qweight).to(torch.float32)
+            product = product.mul_(sx.reshape(-1, 1)).mul_(self.weight_scale.t())
+            return product.to(dtype).view(*qx.shape[:-1], self.out_features)
         weight = self.dequantized_weight() if per_group else \
             integer_weight(self.qweight, self.scheme.act.bits, self.scheme.weight.bits)  # once for every piece
         if qx.device.type != "cpu" or qx.numel() <= CPU_PIECE_ROWS * qx.shape[-1]:
@@ -477,14 +503,32 @@ def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[tor
     """Each module's `integer_product` of its rows, written into one float32 buffer: the int8 rows made float32
     once, each group's matmul into its rows, then the per-token scales over all rows at once and each module's
     weight scales over its rows: the same float32 operations in the same order as `_float_product` per group
-    (rows x sx, then x the weight scale), two launches per group fewer."""
+    (rows x sx, then x the weight scale), two launches per group fewer. Where `int8_gemm_fits`, the int8 rows go
+    straight into each group's int8 GEMM, into one int32 buffer made float32 once."""
     qx, sx = quantized
-    rows = qx.reshape(-1, qx.shape[-1]).to(torch.float32)
-    out = torch.empty(rows.shape[0], modules[0].out_features, dtype=torch.float32, device=rows.device)
-    with tensor_core_fp32_matmuls(rows.device):
+    rows = qx.reshape(-1, qx.shape[-1])
+    first = modules[0]
+    if int8_gemm_fits(rows.device, first.in_features, first.out_features):
+        # a group of fewer rows than the GEMM takes multiplies the rows after it too, into the rows of the sums
+        # after its own: the next groups, computed after it, overwrite them, and the last group's spill lands in
+        # INT8_GEMM_MIN_ROWS rows of padding (no zero-padded copy per small group: one launch per group)
+        total, pad = rows.shape[0], INT8_GEMM_MIN_ROWS
+        padded = torch.empty(total + pad, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        padded[:total] = rows
+        sums = torch.empty(total + pad, first.out_features, dtype=torch.int32, device=rows.device)
         for m, (start, end) in zip(modules, bounds, strict=True):
-            torch.mm(rows[start:end], integer_weight(m.qweight, m.scheme.act.bits, m.scheme.weight.bits).t(),
-                     out=out[start:end])
+            if end > start:
+                stop = max(end, start + pad)
+                _int8_gemm(padded[start:stop], m.qweight, out=sums[start:stop])
+        out = sums[:total].to(torch.float32)
+        del sums, padded
+    else:
+        rows = rows.to(torch.float32)
+        out = torch.empty(rows.shape[0], first.out_features, dtype=torch.float32, device=rows.device)
+        with tensor_core_fp32_matmuls(rows.device):
+            for m, (start, end) in zip(modules, bounds, strict=True):
+                torch.mm(rows[start:end], integer_weight(m.qweight, m.scheme.act.bits, m.scheme.weight.bits).t(),
+                         out=out[start:end])
     out.mul_(sx.reshape(-1, 1))
     for m, (start, end) in zip(modules, bounds, strict=True):
         out[start:end].mul_(m.weight_scale.t())

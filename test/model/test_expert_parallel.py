@@ -150,27 +150,36 @@ def _expert_by_expert(experts: torch.nn.ModuleDict, x: torch.Tensor, idx: torch.
     return out.sum(dim=1).to(x.dtype)
 
 
-@pytest.mark.parametrize("buffered", [False, True], ids=["cpu", "accelerator products"])
+@pytest.mark.parametrize("path", ["cpu", "accelerator", "cuda int8 gemm"],
+                         ids=["cpu", "accelerator products", "cuda int8 gemm"])
 @pytest.mark.parametrize("kind", ["float", "w4a8", "w4a8_group", "w8a8"])
-def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind, buffered):
+def test_grouped_experts_equal_calling_each_expert_bit_for_bit(kind, path):
     """A rank's experts run as one group (one gather, one activation, each input quantized per token once, one
-    scatter), with the CPU's products per group or an accelerator's in one buffer per linear position (taken here
-    on the CPU's tensors). Reference: each expert called on its rows; tolerance: none (every row's arithmetic is
-    the same)."""
+    scatter), with the CPU's products per group or an accelerator's in one buffer per linear position, in float32
+    or (CUDA) as int8 GEMMs into one int32 buffer (each taken here on the CPU's tensors). Reference: each expert
+    called on its rows, the CPU's exact float products; tolerance: none (exact integer sums, the same float32
+    scaling of each row)."""
     from msmodelslim.core.dist import SINGLE
     from msmodelslim.model.common import expert_parallel
     from msmodelslim.quant import modules
 
     experts = _expert_block(kind)
     x, idx, w = _routing()
+    with torch.no_grad():
+        reference = _expert_by_expert(experts, x, idx, w)
     groups = []
     original = expert_parallel._grouped_experts
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(modules, "_buffers_products", lambda _x: buffered)
+        mp.setattr(modules, "_buffers_products", lambda _x: path != "cpu")
+        gemms = []
+        if path == "cuda int8 gemm":
+            mp.setattr(modules, "int8_gemm_fits", lambda _device, i, o: i % 8 == 0 and o % 8 == 0)
+            mp.setattr(modules, "_int8_gemm", lambda *a, _f=modules._int8_gemm, **k: gemms.append(1) or _f(*a, **k))
         mp.setattr(expert_parallel, "_grouped_experts", lambda *a: groups.append(1) or original(*a))
         grouped = expert_parallel.ep_moe_infer(experts, x, idx, w, SINGLE)
         assert groups, "the grouped path was not taken"
-        assert torch.equal(grouped, _expert_by_expert(experts, x, idx, w))
+        assert bool(gemms) == (path == "cuda int8 gemm" and kind in ("w4a8", "w8a8"))
+        assert torch.equal(grouped, reference)
 
 
 def test_grouped_experts_fill_the_quant_report_as_each_expert_would():
@@ -251,13 +260,16 @@ def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
         assert torch.equal(ep_moe_infer(experts, x, idx, w, SINGLE), _expert_by_expert(experts, x, idx, w))
 
 
+@pytest.mark.parametrize("int8_gemm", [False, True], ids=["float32", "cuda int8 gemm"])
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
-def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
+def test_products_in_one_buffer_equal_each_modules_integer_product(kind, int8_gemm):
     """On accelerators a grouped call writes its experts' products into one float32 buffer: the int8 rows made
     float32 once, one per-token scaling of all rows, each expert's weight scales on its rows. Reference: each
     module's `integer_product` of its rows (float32), concatenated; tolerance: none (the same float32 operations in
     the same order; on the CPU's tensors here: the products of integers are exact in any order), each of its ops
-    one that Atlas A2/A3 runs (the Ascend op check); groups that do not tile the rows take the concatenation."""
+    one that Atlas A2/A3 runs (the Ascend op check); groups that do not tile the rows take the concatenation.
+    CUDA's int8 GEMMs (taken on the CPU's tensors) into one int32 buffer give the same values, every group here
+    smaller than the GEMM's 17 rows (each multiplies the rows after it too, which the next groups overwrite)."""
     from msmodelslim.core import ascend_check
     from msmodelslim.quant import modules as modules_module
     from msmodelslim.quant.functional import quantize_per_token
@@ -275,6 +287,15 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind):
         mp.setattr(modules_module, "_buffers_products", lambda _x: True)
         (gaps,) = linears_over_row_groups([(m,) for m in modules[:2]], x, [(0, 3), (10, 24)])
     assert torch.equal(gaps, torch.cat([modules[0](x[0:3]), modules[1](x[10:24])]))
+    if int8_gemm:  # CUDA's branch, never an NPU's
+        gemms = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(modules_module, "int8_gemm_fits", lambda _device, i, o: i % 8 == 0 and o % 8 == 0)
+            mp.setattr(modules_module, "_int8_gemm",
+                       lambda *a, _f=modules_module._int8_gemm, **k: gemms.append(1) or _f(*a, **k))
+            assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+        assert len(gemms) == len(modules) - 1  # the group without rows multiplies nothing
+        return
     report: dict = {}
     with ascend_check.run_checked(torch.device("cpu"), True, report):  # an NPU takes this path too
         assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)

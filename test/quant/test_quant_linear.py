@@ -81,6 +81,30 @@ def test_the_cpu_float_product_of_integers_is_the_exact_integer_gemm(scheme, inp
     assert torch.equal(ql.integer_product(qx, sx), exact * sx * ql.weight_scale.t())
 
 
+@pytest.mark.parametrize("scheme, inputs, rows", [("W4A8_DYNAMIC", 4096, 64), ("W8A8_DYNAMIC", 4096, 64),
+                                                   ("W8A8_DYNAMIC", 512, 5), ("W8A8_DYNAMIC", 512, 0)],
+                         ids=["W4A8", "W8A8 wide", "5 rows padded", "no rows"])
+def test_the_int8_gemm_gives_the_cpus_exact_products(monkeypatch, scheme, inputs, rows):
+    """On CUDA a per-channel integer product is an int8 GEMM with int32 sums (`torch._int_mm`, run here on the CPU's
+    tensors): fewer than 17 rows are padded with zero rows. Reference: the CPU's exact float product of the same
+    integers (float64 for wide W8A8 rows, whose sums pass 2^24 where TF32 would round), with the same per-token and
+    weight scales; tolerance none (the output, bit for bit)."""
+    from msmodelslim.quant import modules
+
+    g = torch.Generator().manual_seed(6)
+    ql = QuantLinear.from_linear(nn.Linear(inputs, 32, bias=False), scheme, weight_method="minmax")
+    top = 7 if scheme.startswith("W4") else 127
+    ql.qweight.copy_(torch.randint(top - 2, top + 1, (32, inputs), generator=g).to(torch.int8))  # large sums
+    qx = torch.randint(120, 128, (rows, inputs), generator=g).to(torch.int8)
+    sx = torch.rand(rows, 1, generator=g) + 0.5
+    exact = ql.integer_product(qx, sx, torch.bfloat16)
+    gemms = []
+    monkeypatch.setattr(modules, "int8_gemm_fits", lambda _device, i, o: i % 8 == 0 and o % 8 == 0)
+    monkeypatch.setattr(modules, "_int8_gemm", lambda *a, _f=modules._int8_gemm, **k: gemms.append(1) or _f(*a, **k))
+    assert torch.equal(ql.integer_product(qx, sx, torch.bfloat16), exact)
+    assert gemms, "the int8 GEMM was not taken"
+
+
 def test_ssz_weights_use_ssz_scales_and_stay_in_int4_range():
     torch.manual_seed(1)
     lin = nn.Linear(64, 16, bias=False)

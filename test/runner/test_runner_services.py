@@ -190,6 +190,26 @@ def test_readers_of_one_input_share_one_hessian():
     assert stats.hessian["a"] is stats.hessian["b"] and stats.tokens["a"] == stats.tokens["b"]
 
 
+def test_readers_of_one_input_reduce_its_maxima_once(monkeypatch):
+    """AbsMax of a and b, which read each call's input one after the other: b takes a's maxima of that call, one
+    reduction per call, not per reader. Reference: max |x| per channel over the calls; tolerance none; b's maxima
+    are still its own (c, reading another tensor of the same values, reduces its own)."""
+    module = two_readers()
+    calls = [tokens(1), tokens(2)]
+    reductions = []
+    original = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda t, *a, **k: reductions.append(1) or original(t, *a, **k))
+    stats = observe(context(module, calls), Observe(absmax=("a", "b")))
+    assert len(reductions) == len(calls)
+    reference = torch.maximum(*(x.abs().amax(dim=0) for x in calls))
+    reductions.clear()
+    assert torch.equal(stats.absmax["a"], reference) and torch.equal(stats.absmax["b"], reference)
+    other = statistics.AbsMax(Observe(absmax=("a", "c")), {}, torch.device("cpu"))
+    other.record("a", calls[0])
+    other.record("c", calls[0].clone())
+    assert len(reductions) == 2
+
+
 def test_a_module_no_token_reached_reports_zeros():
     module = two_readers()
     stats = observe(UnitContext(UNIT, module, NoExperts(), SINGLE, run_samples=lambda: None),
