@@ -23,6 +23,7 @@ saver writes it as `<linear>.online_rotation`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ from msmodelslim.quant.mx import (
     quantize_mx_weight,
 )
 from msmodelslim.quant.sensitivity import WeightError
+
+logger = logging.getLogger(__name__)
 
 ONLINE_ROTATION = "online_rotation"
 
@@ -462,7 +465,7 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     # one buffer is the concatenation only where the groups tile x's rows in order (the grouped experts' do)
     tiled = bool(bounds) and bounds[0][0] == 0 and bounds[-1][1] == x.shape[0] and \
         all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds).to(x.dtype)
+    buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds, x.dtype)
                if tiled and _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
     pieces: list[list[torch.Tensor]] = [[] for _ in positions]
     for group, (start, end) in zip(readers, bounds, strict=True):
@@ -499,12 +502,13 @@ def _one_product_buffer(modules: Sequence[nn.Module]) -> bool:
 
 
 def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[torch.Tensor, torch.Tensor],
-                            bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Each module's `integer_product` of its rows, written into one float32 buffer: the int8 rows made float32
+                            bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """Each module's `integer_product` of its rows, written into one buffer, as `dtype`: the int8 rows made float32
     once, each group's matmul into its rows, then the per-token scales over all rows at once and each module's
     weight scales over its rows: the same float32 operations in the same order as `_float_product` per group
     (rows x sx, then x the weight scale), two launches per group fewer. Where `int8_gemm_fits`, the int8 rows go
-    straight into each group's int8 GEMM, into one int32 buffer made float32 once."""
+    straight into each group's int8 GEMM, into one int32 buffer, and the scales follow in one kernel
+    (`_scaled_sums`)."""
     qx, sx = quantized
     rows = qx.reshape(-1, qx.shape[-1])
     first = modules[0]
@@ -520,16 +524,71 @@ def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[tor
             if end > start:
                 stop = max(end, start + pad)
                 _int8_gemm(padded[start:stop], m.qweight, out=sums[start:stop])
-        out = sums[:total].to(torch.float32)
-        del sums, padded
-    else:
-        rows = rows.to(torch.float32)
-        out = torch.empty(rows.shape[0], first.out_features, dtype=torch.float32, device=rows.device)
-        with tensor_core_fp32_matmuls(rows.device):
-            for m, (start, end) in zip(modules, bounds, strict=True):
-                torch.mm(rows[start:end], integer_weight(m.qweight, m.scheme.act.bits, m.scheme.weight.bits).t(),
-                         out=out[start:end])
+        return _scaled_sums(sums[:total], sx.reshape(-1), modules, bounds, dtype)
+    rows = rows.to(torch.float32)
+    out = torch.empty(rows.shape[0], first.out_features, dtype=torch.float32, device=rows.device)
+    with tensor_core_fp32_matmuls(rows.device):
+        for m, (start, end) in zip(modules, bounds, strict=True):
+            torch.mm(rows[start:end], integer_weight(m.qweight, m.scheme.act.bits, m.scheme.weight.bits).t(),
+                     out=out[start:end])
+    return _scale_passes(out, sx.reshape(-1), modules, bounds, dtype)
+
+
+def _scale_passes(out: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
+                  bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """float32 products `out` (modified) times each row's token scale, then times its module's weight scales, as
+    `dtype`."""
     out.mul_(sx.reshape(-1, 1))
     for m, (start, end) in zip(modules, bounds, strict=True):
         out[start:end].mul_(m.weight_scale.t())
-    return out
+    return out.to(dtype)
+
+
+GROUP_SCALES_KERNEL = True  # CUDA: the grouped int8 GEMMs' scales as one Triton kernel (ops/group_scales.py)
+_GROUP_SCALES_CHECKED = False  # the kernel's first result in this process was held to the passes'
+
+
+def _scales_by_kernel(sums: torch.Tensor) -> bool:
+    return GROUP_SCALES_KERNEL and sums.is_cuda
+
+
+def _scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
+                 bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """The int32 sums [rows, out] of the groups' int8 GEMMs, scaled as `_scale_passes` scales them. On CUDA one
+    kernel for every group (`_kernel_scaled_sums`), bit-identical to the passes: its first result in a process is
+    held to theirs, and a kernel that cannot be built or differs leaves the scaling to the passes, said once."""
+    global GROUP_SCALES_KERNEL, _GROUP_SCALES_CHECKED
+    if not _scales_by_kernel(sums):
+        return _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)
+    with not_on_npu("the grouped scales as a Triton kernel on CUDA (and its check); an NPU multiplies in passes"):
+        try:
+            found = _kernel_scaled_sums(sums, sx, modules, bounds).to(dtype)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same values
+            why = f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        else:
+            if _GROUP_SCALES_CHECKED:
+                return found
+            if torch.equal(found, _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)):
+                _GROUP_SCALES_CHECKED = True
+                return found
+            why = "gave other values than the passes"
+    GROUP_SCALES_KERNEL = False
+    logger.warning("grouped experts' scales: the Triton kernel %s; they are scaled in passes from now on: the same "
+                   "values, more launches", why)
+    return _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)
+
+
+def _kernel_scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
+                        bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`_scale_passes`'s float32 values by ops/group_scales.py: each row's module from a table (its group's index,
+    repeated over its rows), the modules' weight scales stacked: 3 small launches and the kernel's, for any number of
+    groups."""
+    from msmodelslim.ops.group_scales import group_scales
+
+    counts = torch.tensor([end - start for start, end in bounds], device=sums.device)
+    groups = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32, device=sums.device), counts,
+                                     output_size=sums.shape[0])  # its size said: no wait for the device
+    weight_scales = torch.cat([m.weight_scale.reshape(1, -1) for m in modules])
+    return group_scales(sums, sx, weight_scales, groups)

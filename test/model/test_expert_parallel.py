@@ -293,13 +293,114 @@ def test_products_in_one_buffer_equal_each_modules_integer_product(kind, int8_ge
             mp.setattr(modules_module, "int8_gemm_fits", lambda _device, i, o: i % 8 == 0 and o % 8 == 0)
             mp.setattr(modules_module, "_int8_gemm",
                        lambda *a, _f=modules_module._int8_gemm, **k: gemms.append(1) or _f(*a, **k))
-            assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+            assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds, torch.float32), reference)
         assert len(gemms) == len(modules) - 1  # the group without rows multiplies nothing
         return
     report: dict = {}
     with ascend_check.run_checked(torch.device("cpu"), True, report):  # an NPU takes this path too
-        assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds), reference)
+        assert torch.equal(_products_in_one_buffer(modules, (qx, sx), bounds, torch.float32), reference)
     assert report["ascend_ops_checked"] >= 3 * len(modules)
+
+
+GROUP_SCALES_CHECK = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # the kernel run by Triton's interpreter, on the CPU
+import torch
+from torch import nn
+from msmodelslim.quant.modules import QuantLinear, _kernel_scaled_sums, _scale_passes
+
+g = torch.Generator().manual_seed(3)
+bounds = [(0, 5), (5, 5), (5, 40), (40, 41), (41, 100)]  # a group without rows, groups inside one row block
+modules = [QuantLinear.from_linear(nn.Linear(64, 136, bias=False), "W8A8_DYNAMIC", weight_method="minmax")
+           for _ in bounds]  # 136 outputs: two column blocks, the second partly masked
+sums = torch.randint(-(1 << 30), 1 << 30, (100, 136), generator=g, dtype=torch.int32)  # past 2^24: rounded
+sums[:3] = torch.randint(-100, 100, (3, 136), generator=g, dtype=torch.int32)
+sx = torch.rand(100, generator=g) * 1e-3
+kernel = _kernel_scaled_sums(sums, sx, modules, bounds)
+for dtype in (torch.float32, torch.bfloat16):
+    print(torch.equal(kernel.to(dtype), _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)))
+"""
+
+
+def test_the_group_scales_kernel_gives_the_passes_values():
+    """ops/group_scales.py (CUDA's scaling of the grouped experts' int8 GEMM sums), run by Triton's interpreter on
+    the CPU, against the PyTorch passes (the sums made float32, times each row's token scale, times its module's
+    weight scales), over groups of 5, 0, 35, 1 and 59 rows, sums past 2^24 (rounded to float32) and a partly masked
+    column block. Tolerance none, in float32 and after the cast to bf16. A fresh interpreter: TRITON_INTERPRET must
+    be set before the kernel's module is imported."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", GROUP_SCALES_CHECK], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"], out.stdout
+
+
+def test_the_group_scales_kernel_compiles_for_hopper_with_two_rounded_products():
+    """The scaling kernel as CUDA runs it, compiled by Triton's own compiler for sm_90 (H100 / H200) without a GPU:
+    it builds, the int32 sums become float32 rounded to nearest (`cvt.rn.f32.s32`), and the two products stay
+    two rounded multiplies (`mul.rn.f32`, no fused multiply-add). Reference: the PTX text."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from msmodelslim.ops.group_scales import _group_scales_kernel
+
+    signature = {"SUMS": "*i32", "TOKEN_SCALES": "*fp32", "WEIGHT_SCALES": "*fp32", "GROUPS": "*i32",
+                 "OUT": "*fp32", "rows": "i32", "cols": "i32", "BLOCK_ROWS": "constexpr", "BLOCK_COLS": "constexpr"}
+    source = ASTSource(fn=_group_scales_kernel, signature=signature, constexprs={"BLOCK_ROWS": 32, "BLOCK_COLS": 128})
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "enable_fp_fusion": False})
+    except (FileNotFoundError, RuntimeError) as exc:  # a Triton without its CUDA back end's tools
+        if "ptxas" in str(exc):
+            pytest.skip(f"Triton's CUDA back end cannot assemble here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "cvt.rn.f32.s32" in ptx and "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
+
+
+def _failing_kernel(*_args: object) -> torch.Tensor:
+    raise RuntimeError("PassManager::run failed\n(the compiler's log)")
+
+
+def _unscaled_kernel(sums: torch.Tensor, *_args: object) -> torch.Tensor:
+    return sums.to(torch.float32)  # what a kernel that skipped the scales would give
+
+
+@pytest.mark.parametrize(("kernel", "said"), [(_failing_kernel, r"failed \(PassManager::run failed\)"),
+                                              (_unscaled_kernel, r"gave other values than the passes")])
+def test_a_group_scales_kernel_that_cannot_be_built_or_differs_leaves_the_scaling_to_the_passes(
+        kernel, said, monkeypatch, caplog):
+    """If Triton cannot build the scaling kernel on a GPU, or its first result in a process is not the passes'
+    bit for bit, the run goes on with the passes (the same values) and says so once. Reference: the kernel's
+    launcher replaced by one that raises as a compiler failure does, and by one that skips the scales; the
+    passes' values."""
+    import logging
+    import re
+
+    from msmodelslim.quant import modules as modules_module
+
+    experts = _expert_block("w8a8")
+    linears = [expert.w1 for expert in experts.values()][:3]
+    bounds = [(0, 4), (4, 4), (4, 9)]
+    g = torch.Generator().manual_seed(2)
+    sums = torch.randint(-(1 << 20), 1 << 20, (9, linears[0].out_features), generator=g, dtype=torch.int32)
+    sx = torch.rand(9, generator=g)
+    reference = modules_module._scale_passes(sums.to(torch.float32), sx, linears, bounds, torch.bfloat16)
+    monkeypatch.setattr(modules_module, "_kernel_scaled_sums", kernel)
+    monkeypatch.setattr(modules_module, "GROUP_SCALES_KERNEL", True)
+    monkeypatch.setattr(modules_module, "_GROUP_SCALES_CHECKED", False)
+    monkeypatch.setattr(modules_module, "_scales_by_kernel", lambda _sums: modules_module.GROUP_SCALES_KERNEL)
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.modules"):
+        for _ in range(2):
+            assert torch.equal(modules_module._scaled_sums(sums, sx, linears, bounds, torch.bfloat16), reference)
+    assert modules_module.GROUP_SCALES_KERNEL is False
+    assert len(caplog.records) == 1 and re.fullmatch(
+        rf"grouped experts' scales: the Triton kernel {said}; they are scaled in passes from now on: the same "
+        r"values, more launches", caplog.records[0].getMessage()), caplog.records[0].getMessage()
 
 
 def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
