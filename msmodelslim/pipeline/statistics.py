@@ -87,23 +87,28 @@ def same_input(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 @statistic
 class AbsMax(Statistic):
     """Per input channel max |x| (float32 [d]). A reader called with the input the previous call had (an expert's
-    w3 after its w1) takes that call's maxima, not another reduction."""
+    w3 after its w1) takes that call's maxima, not another reduction, and where it held the same maxima as that
+    reader before (it has read what that one read), their new maxima too."""
 
     field = "absmax"
 
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         super().__init__(request, ranges, device)
         self.values: dict[str, torch.Tensor] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its maxima) of the last call
+        # the last call: its input, the input's maxima, and the reader's maxima before and after it
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        if self._last is not None and same_input(self._last[0], x):
-            amax = self._last[1]
-        else:
-            amax = x.abs().amax(dim=0).float()
-            self._last = (x, amax)  # holding it keeps its address unique while it is compared
+        last = self._last
+        if last is not None and same_input(last[0], x):
+            prev = self.values.get(name)
+            self.values[name] = last[3] if prev is last[2] else last[1] if prev is None else \
+                torch.maximum(prev, last[1])
+            return
+        amax = x.abs().amax(dim=0).float()
         prev = self.values.get(name)
         self.values[name] = amax if prev is None else torch.maximum(prev, amax)
+        self._last = (x, amax, prev, self.values[name])  # holding x keeps its address unique while it is compared
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:

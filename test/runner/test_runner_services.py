@@ -192,8 +192,9 @@ def test_readers_of_one_input_share_one_hessian():
 
 def test_readers_of_one_input_reduce_its_maxima_once(monkeypatch):
     """AbsMax of a and b, which read each call's input one after the other: b takes a's maxima of that call, one
-    reduction per call, not per reader. Reference: max |x| per channel over the calls; tolerance none; b's maxima
-    are still its own (c, reading another tensor of the same values, reduces its own)."""
+    reduction per call, not per reader, and a's running maxima where it holds the same. Reference: max |x| per
+    channel over the calls; tolerance none; c, reading another tensor of the same values, reduces its own; d,
+    joining a's input at the second call only, has that call's maxima, and a third call's maxima over both."""
     module = two_readers()
     calls = [tokens(1), tokens(2)]
     reductions = []
@@ -208,6 +209,13 @@ def test_readers_of_one_input_reduce_its_maxima_once(monkeypatch):
     other.record("a", calls[0])
     other.record("c", calls[0].clone())
     assert len(reductions) == 2
+    late = statistics.AbsMax(Observe(absmax=("a", "d")), {}, torch.device("cpu"))
+    third = tokens(3)
+    for x, readers in ((calls[0], "a"), (calls[1], "ad"), (third, "ad")):
+        for name in readers:
+            late.record(name, x)
+    assert torch.equal(late.values["a"], torch.maximum(reference, third.abs().amax(dim=0)))
+    assert torch.equal(late.values["d"], torch.maximum(calls[1].abs().amax(dim=0), third.abs().amax(dim=0)))
 
 
 def test_a_module_no_token_reached_reports_zeros():
