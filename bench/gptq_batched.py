@@ -90,9 +90,9 @@ def compare(rows: int, cols: int, sharing: int, args: argparse.Namespace, device
     def ours() -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [quantize_weight(w[b], int4, "gptq", hessian=h[b], tokens=n[b]) for b in batches]
 
-    functional.GRID_KERNEL = False
+    functional.GRID_KERNEL.enabled = False
     t_eager, eager = timed(ours, device, args.repeats, warmup=True)
-    functional.GRID_KERNEL = True
+    functional.GRID_KERNEL.enabled = True
     t_ours, quantized = timed(ours, device, args.repeats, warmup=True)
     scale = torch.cat([s for _, s in quantized])
     eager_scale = torch.cat([s for _, s in eager])

@@ -1,5 +1,5 @@
 """Fixtures shared by the whole suite: the one generated tiny Kimi-K3 checkpoint of a session, the session's runs
-of kimi-linear-mini; the `slow` marker.
+of kimi-linear-mini, a Triton kernel's PTX for Hopper; the `slow` marker.
 
 Tiers: `make test` runs everything (CI); `make test-fast` (`pytest -m "not slow"`) leaves out the tests marked
 `slow`: whole quantization runs in subprocesses or on several ranks, and the consumer tests' outputs."""
@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,30 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "outputs); left out by `make test-fast`")
 MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
+
+
+@pytest.fixture
+def hopper_ptx() -> Callable[[Any, dict[str, str], dict[str, Any]], str]:
+    """`compile(kernel, signature, constexprs)`: a Triton kernel's PTX as CUDA builds it for sm_90 (H100 / H200),
+    by Triton's own compiler without a GPU (4 warps, no fused multiply-add, as the kernels launch); the test skips
+    where Triton's CUDA back end cannot assemble."""
+    def compile_for_hopper(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> str:
+        pytest.importorskip("triton")
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        try:
+            built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                   options={"num_warps": 4, "enable_fp_fusion": False})
+        except (FileNotFoundError, RuntimeError) as exc:  # a Triton without its CUDA back end's tools
+            if "ptxas" in str(exc):
+                pytest.skip(f"Triton's CUDA back end cannot assemble here: {exc}")
+            raise
+        return built.asm["ptx"]
+
+    return compile_for_hopper
 
 
 @pytest.fixture(scope="session")

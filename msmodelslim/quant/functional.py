@@ -12,6 +12,7 @@ import os
 import torch
 
 from msmodelslim.core.placement import not_on_npu
+from msmodelslim.ops.checked_kernel import CheckedKernel
 from msmodelslim.quant.granularity import Granularity, IntDtype, PerChannel, PerToken, int_dtype
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,10 @@ def quant_mse(w: torch.Tensor, scale: torch.Tensor, bits: int | str | IntDtype,
     return (error if importance is None else error * importance.double()).sum(dim=-1)
 
 
-GRID_KERNEL = True  # CUDA: the search as one Triton kernel (bench/gptq_batched.py turns it off to compare)
-_GRID_KERNEL_CHECKED = False  # the kernel's first search in this process was held to the passes' (`_grid_kernel`)
+# CUDA: the search as one Triton kernel, held to the passes (`_grid_kernel`; bench/gptq_batched.py turns it off to
+# compare)
+GRID_KERNEL = CheckedKernel("grid scale search", "the search runs as elementwise passes from now on: the same "
+                            "scales, slower", logger)
 
 
 def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: torch.Tensor | None = None,
@@ -187,7 +190,7 @@ def grid_scale_search(w: torch.Tensor, bits: int | str | IntDtype, importance: t
         importance.to(w2.device, work).clamp_min(0)
     imp = imp.unsqueeze(-2)  # [..., 1, in]
     base = minmax_scale(w2, d, PerChannel())
-    if GRID_KERNEL and w2.is_cuda and work == torch.float32:
+    if GRID_KERNEL.enabled and w2.is_cuda and work == torch.float32:
         with not_on_npu("the grid search as a Triton kernel on CUDA (and its check); an NPU runs the passes"):
             found = _grid_kernel(w2, imp, base, d, steps, min_ratio, refine)
         if found is not None:
@@ -228,23 +231,18 @@ def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
     """`grid_scale_search` by ops/grid_search.py. Its first search in a process is held to the elementwise passes
     on the batch's first matrix: no row's weighted error above theirs by more than their float32 sums' rounding.
     None when the kernel cannot be built here (Triton's compiler for this GPU) or fails that check: the run then
-    searches with the passes, and says so once."""
-    global GRID_KERNEL, _GRID_KERNEL_CHECKED
+    searches with the passes, and says so once (`GRID_KERNEL`)."""
     *lead, rows, cols = w2.shape
     ratios = _grid_ratios(steps, min_ratio)
     weights = imp.expand(*lead, 1, cols).reshape(-1, 1, cols)
-    try:
+
+    def kernel() -> torch.Tensor:
         from msmodelslim.ops.grid_search import grid_search
 
-        found = grid_search(w2.reshape(-1, rows, cols), weights.reshape(-1, cols), base.reshape(-1, rows, 1), ratios,
-                            d.qmin, d.qmax, refine)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same search
-        why = f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    else:
-        if _GRID_KERNEL_CHECKED:
-            return found.view(*lead, rows, 1)
+        return grid_search(w2.reshape(-1, rows, cols), weights.reshape(-1, cols), base.reshape(-1, rows, 1), ratios,
+                           d.qmin, d.qmax, refine)
+
+    def check(found: torch.Tensor) -> str | None:
         first = w2.reshape(-1, rows, cols)[:1]
         passes = _grid_passes(first, weights[:1], base.reshape(-1, rows, 1)[:1], d, steps, min_ratio, refine)
         ours, theirs = (quant_mse(first, s, d, importance=weights[:1]) for s in (found[:1], passes))
@@ -252,11 +250,8 @@ def _grid_kernel(w2: torch.Tensor, imp: torch.Tensor, base: torch.Tensor, d: Int
         # exact value in any order, so a tie broken the other way costs at most twice that: a wrong kernel
         # (rounding, a skipped try) costs orders of magnitude more.
         excess = float(((ours - theirs) / theirs.clamp_min(1e-300)).max())
-        if excess <= 2 * cols * 2.0 ** -24:
-            _GRID_KERNEL_CHECKED = True
-            return found.view(*lead, rows, 1)
-        why = f"gave scales whose error is {excess:.2e} above the elementwise search's"
-    GRID_KERNEL = False
-    logger.warning("grid scale search: the Triton kernel %s; the search runs as elementwise passes from now on: the "
-                   "same scales, slower", why)
-    return None
+        return None if excess <= 2 * cols * 2.0 ** -24 else \
+            f"gave scales whose error is {excess:.2e} above the elementwise search's"
+
+    found = GRID_KERNEL.run(kernel, check)
+    return None if found is None else found.view(*lead, rows, 1)

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from msmodelslim.core.device import tensor_core_fp32_matmuls
 from msmodelslim.core.placement import not_on_npu
+from msmodelslim.ops.checked_kernel import CheckedKernel
 from msmodelslim.quant.functional import (
     CPU_PIECE_ROWS,
     dequantize,
@@ -544,40 +545,31 @@ def _scale_passes(out: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLi
     return out.to(dtype)
 
 
-GROUP_SCALES_KERNEL = True  # CUDA: the grouped int8 GEMMs' scales as one Triton kernel (ops/group_scales.py)
-_GROUP_SCALES_CHECKED = False  # the kernel's first result in this process was held to the passes'
-
-
-def _scales_by_kernel(sums: torch.Tensor) -> bool:
-    return GROUP_SCALES_KERNEL and sums.is_cuda
+# CUDA: the grouped int8 GEMMs' scales as one Triton kernel (ops/group_scales.py), held to the passes
+GROUP_SCALES_KERNEL = CheckedKernel("grouped experts' scales", "they are scaled in passes from now on: the same "
+                                    "values, more launches", logger)
 
 
 def _scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
                  bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
-    """The int32 sums [rows, out] of the groups' int8 GEMMs, scaled as `_scale_passes` scales them. On CUDA one
-    kernel for every group (`_kernel_scaled_sums`), bit-identical to the passes: its first result in a process is
-    held to theirs, and a kernel that cannot be built or differs leaves the scaling to the passes, said once."""
-    global GROUP_SCALES_KERNEL, _GROUP_SCALES_CHECKED
-    if not _scales_by_kernel(sums):
-        return _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)
-    with not_on_npu("the grouped scales as a Triton kernel on CUDA (and its check); an NPU multiplies in passes"):
-        try:
-            found = _kernel_scaled_sums(sums, sx, modules, bounds).to(dtype)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compiler failure of the kernel: the passes give the same values
-            why = f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        else:
-            if _GROUP_SCALES_CHECKED:
-                return found
-            if torch.equal(found, _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)):
-                _GROUP_SCALES_CHECKED = True
-                return found
-            why = "gave other values than the passes"
-    GROUP_SCALES_KERNEL = False
-    logger.warning("grouped experts' scales: the Triton kernel %s; they are scaled in passes from now on: the same "
-                   "values, more launches", why)
+    """The int32 sums [rows, out] of the groups' int8 GEMMs, scaled as `_scale_passes` scales them; on CUDA by one
+    kernel for every group (`_checked_group_scales`)."""
+    if GROUP_SCALES_KERNEL.enabled and sums.is_cuda:
+        with not_on_npu("the grouped scales as a Triton kernel on CUDA (and its check); an NPU multiplies in passes"):
+            found = _checked_group_scales(sums, sx, modules, bounds, dtype)
+        if found is not None:
+            return found
     return _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype)
+
+
+def _checked_group_scales(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
+                          bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor | None:
+    """`_kernel_scaled_sums` as `dtype`, bit-identical to the passes: its first result in a process is held to
+    theirs; None when the kernel cannot be built or differs (the passes scale from then on, said once)."""
+    return GROUP_SCALES_KERNEL.run(
+        lambda: _kernel_scaled_sums(sums, sx, modules, bounds).to(dtype),
+        lambda found: None if torch.equal(found, _scale_passes(sums.to(torch.float32), sx, modules, bounds, dtype))
+        else "gave other values than the passes")
 
 
 def _kernel_scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],

@@ -337,28 +337,15 @@ def test_the_group_scales_kernel_gives_the_passes_values():
     assert out.stdout.split() == ["True", "True"], out.stdout
 
 
-def test_the_group_scales_kernel_compiles_for_hopper_with_two_rounded_products():
+def test_the_group_scales_kernel_compiles_for_hopper_with_two_rounded_products(hopper_ptx):
     """The scaling kernel as CUDA runs it, compiled by Triton's own compiler for sm_90 (H100 / H200) without a GPU:
     it builds, the int32 sums become float32 rounded to nearest (`cvt.rn.f32.s32`), and the two products stay
     two rounded multiplies (`mul.rn.f32`, no fused multiply-add). Reference: the PTX text."""
-    pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from msmodelslim.ops.group_scales import _group_scales_kernel
 
     signature = {"SUMS": "*i32", "TOKEN_SCALES": "*fp32", "WEIGHT_SCALES": "*fp32", "GROUPS": "*i32",
                  "OUT": "*fp32", "rows": "i32", "cols": "i32", "BLOCK_ROWS": "constexpr", "BLOCK_COLS": "constexpr"}
-    source = ASTSource(fn=_group_scales_kernel, signature=signature, constexprs={"BLOCK_ROWS": 32, "BLOCK_COLS": 128})
-    try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "enable_fp_fusion": False})
-    except (FileNotFoundError, RuntimeError) as exc:  # a Triton without its CUDA back end's tools
-        if "ptxas" in str(exc):
-            pytest.skip(f"Triton's CUDA back end cannot assemble here: {exc}")
-        raise
-    ptx = kernel.asm["ptx"]
+    ptx = hopper_ptx(_group_scales_kernel, signature, {"BLOCK_ROWS": 32, "BLOCK_COLS": 128})
     assert "cvt.rn.f32.s32" in ptx and "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
 
 
@@ -391,13 +378,13 @@ def test_a_group_scales_kernel_that_cannot_be_built_or_differs_leaves_the_scalin
     sx = torch.rand(9, generator=g)
     reference = modules_module._scale_passes(sums.to(torch.float32), sx, linears, bounds, torch.bfloat16)
     monkeypatch.setattr(modules_module, "_kernel_scaled_sums", kernel)
-    monkeypatch.setattr(modules_module, "GROUP_SCALES_KERNEL", True)
-    monkeypatch.setattr(modules_module, "_GROUP_SCALES_CHECKED", False)
-    monkeypatch.setattr(modules_module, "_scales_by_kernel", lambda _sums: modules_module.GROUP_SCALES_KERNEL)
+    monkeypatch.setattr(modules_module.GROUP_SCALES_KERNEL, "enabled", True)
+    monkeypatch.setattr(modules_module.GROUP_SCALES_KERNEL, "checked", False)
     with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.modules"):
-        for _ in range(2):
-            assert torch.equal(modules_module._scaled_sums(sums, sx, linears, bounds, torch.bfloat16), reference)
-    assert modules_module.GROUP_SCALES_KERNEL is False
+        assert modules_module._checked_group_scales(sums, sx, linears, bounds, torch.bfloat16) is None
+        assert modules_module._checked_group_scales(sums, sx, linears, bounds, torch.bfloat16) is None  # off now
+    assert torch.equal(modules_module._scaled_sums(sums, sx, linears, bounds, torch.bfloat16), reference)
+    assert modules_module.GROUP_SCALES_KERNEL.enabled is False
     assert len(caplog.records) == 1 and re.fullmatch(
         rf"grouped experts' scales: the Triton kernel {said}; they are scaled in passes from now on: the same "
         r"values, more launches", caplog.records[0].getMessage()), caplog.records[0].getMessage()

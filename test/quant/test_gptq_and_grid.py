@@ -198,7 +198,7 @@ for importance in (imp, None):
 # the search's own check of the kernel's first result in a process (quant/functional.py) accepts it
 from msmodelslim.quant import functional
 checked = functional._grid_kernel(w, imp[:, None, :], minmax_scale(w, int4, PerChannel()), int4, 48, 0.3, 4)
-print(checked is not None and functional._GRID_KERNEL_CHECKED)
+print(checked is not None and functional.GRID_KERNEL.checked)
 """
 
 
@@ -245,14 +245,14 @@ def test_a_grid_kernel_that_cannot_be_built_or_disagrees_leaves_the_search_to_th
     from msmodelslim.quant import functional
 
     monkeypatch.setattr(kernel_module, "grid_search", kernel)
-    monkeypatch.setattr(functional, "GRID_KERNEL", True)
-    monkeypatch.setattr(functional, "_GRID_KERNEL_CHECKED", False)
+    monkeypatch.setattr(functional.GRID_KERNEL, "enabled", True)
+    monkeypatch.setattr(functional.GRID_KERNEL, "checked", False)
     w = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
     w[:, :, 0] = 9.0  # an outlier per row, which the search clips
     with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.functional"):
         assert functional._grid_kernel(w, torch.ones(2, 1, 64), minmax_scale(w, int4, PerChannel()), int4, 48, 0.3,
                                        4) is None
-    assert functional.GRID_KERNEL is False
+    assert functional.GRID_KERNEL.enabled is False
     assert len(caplog.records) == 1 and re.fullmatch(
         rf"grid scale search: the Triton kernel {said}; the search runs as elementwise passes from now on: the "
         r"same scales, slower", caplog.records[0].getMessage()), caplog.records[0].getMessage()
@@ -278,39 +278,25 @@ def test_a_grid_kernel_off_the_passes_by_float32_sums_noise_is_kept(monkeypatch,
     assert 1e-6 < float(excess.max()) < 2 * 1024 * 2.0 ** -24  # the case the check must tolerate
 
     monkeypatch.setattr(kernel_module, "grid_search", lambda *_args: nudged.reshape(-1, 8, 1))
-    monkeypatch.setattr(functional, "GRID_KERNEL", True)
-    monkeypatch.setattr(functional, "_GRID_KERNEL_CHECKED", False)
+    monkeypatch.setattr(functional.GRID_KERNEL, "enabled", True)
+    monkeypatch.setattr(functional.GRID_KERNEL, "checked", False)
     with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.functional"):
         found = functional._grid_kernel(w, imp, base, int4, 48, 0.3, 4)
     assert found is not None and torch.equal(found, nudged) and not caplog.records
-    assert functional.GRID_KERNEL is True and functional._GRID_KERNEL_CHECKED is True
+    assert functional.GRID_KERNEL.enabled is True and functional.GRID_KERNEL.checked is True
 
 
-def test_the_grid_search_kernel_compiles_for_hopper_with_the_searchs_rounding():
+def test_the_grid_search_kernel_compiles_for_hopper_with_the_searchs_rounding(hopper_ptx):
     """The kernel as CUDA runs it, compiled by Triton's own compiler for sm_90 (H100 / H200) without a GPU: it builds
     (a global it cannot read, a shape it cannot broadcast would stop it here, not on the user's GPU), and the PTX
     keeps the search's arithmetic: correctly rounded division (`div.rn`), no fused multiply-add, and the rounding
     constant's add and subtract (round half to even) not folded away. Reference: the PTX text."""
-    pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from msmodelslim.ops.grid_search import _grid_search_kernel
 
     signature = {"W": "*fp32", "IMP": "*fp32", "BASE": "*fp32", "RATIOS": "*fp32", "OUT": "*fp32", "cols": "i32",
                  "rows_per_matrix": "i32", "qmin": "fp32", "qmax": "fp32", "STEPS": "constexpr",
                  "STEPS_P2": "constexpr", "REFINE": "constexpr", "BLOCK": "constexpr"}
-    source = ASTSource(fn=_grid_search_kernel, signature=signature,
-                       constexprs={"STEPS": 48, "STEPS_P2": 64, "REFINE": 4, "BLOCK": 64})
-    try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "enable_fp_fusion": False})
-    except (FileNotFoundError, RuntimeError) as exc:  # a Triton without its CUDA back end's tools
-        if "ptxas" in str(exc):
-            pytest.skip(f"Triton's CUDA back end cannot assemble here: {exc}")
-        raise
-    ptx = kernel.asm["ptx"]
+    ptx = hopper_ptx(_grid_search_kernel, signature, {"STEPS": 48, "STEPS_P2": 64, "REFINE": 4, "BLOCK": 64})
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     assert "fma.rn.f32" not in ptx
     assert "0f4B400000" in ptx and "0fCB400000" in ptx  # + 1.5 * 2^23, then - 1.5 * 2^23
