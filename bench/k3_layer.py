@@ -185,11 +185,10 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
                       "seconds_once_per_run": round(once, 1), "ms_per_token_once_per_run": round(1000 * once_per_token, 4),
                       "measured_tokens": tokens, "measured_seconds": [round(r["runner_wall"], 1) for r in runs],
                       "measured_decoder_unit_seconds": [round(d, 2) for d in decoder]}
-        largest = runs[-1]
+        largest, largest_decoder = runs[-1], decoder_wall(runs[-1])
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
                          "projected_model_hours_per_rank_at_largest": round(
-                             (decoder_wall(largest) * args.layers + largest["runner_wall"] - decoder_wall(largest))
-                             / 3600, 2)}
+                             (largest_decoder * args.layers + largest["runner_wall"] - largest_decoder) / 3600, 2)}
     return summary
 
 

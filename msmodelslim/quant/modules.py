@@ -495,8 +495,7 @@ def _buffers_products(x: torch.Tensor) -> bool:
 
 def _one_product_buffer(modules: Sequence[nn.Module]) -> bool:
     """Per-channel QuantLinears sharing quantized rows, of one activation type and output width: their products
-    can share one float32 buffer and one per-token scaling (`_products_in_one_buffer`; accelerators, whose integer
-    weights are float32)."""
+    can share one buffer and one per-token scaling (`_products_in_one_buffer`, on accelerators)."""
     first = modules[0]
     return all(_shares_quantized_rows(m) and m.scheme.act == first.scheme.act and m.out_features == first.out_features
                and m.weight_scale.shape[-1] == 1 for m in modules)
