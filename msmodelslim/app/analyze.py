@@ -37,9 +37,10 @@ from typing import Any
 import yaml
 
 from msmodelslim.app.practice import choose_practice
-from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service, sigterm_raises
+from msmodelslim.app.quant import QuantArgs, check_request, run_quant_service
 from msmodelslim.core.config import DEFAULT_IMPACT_TOKENS
 from msmodelslim.core.report import ANALYZE_METRICS, DEFAULT_TOP_K, METRIC_ALIASES, REPORT_FILE, ranked, read_report
+from msmodelslim.core.signals import sigterm_raises
 from msmodelslim.core.torchrun import TorchrunRank
 from msmodelslim.errors import UserError
 from msmodelslim.model.registry import load_registry

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,8 +34,9 @@ from msmodelslim.core.calib import CalibRecord, practice_records
 from msmodelslim.core.config import PracticeConfig
 from msmodelslim.core.device import DeviceSpec, parse_device
 from msmodelslim.core.files import disk_full_error
+from msmodelslim.core.signals import Stop, signals_held, sigterm_raises
 from msmodelslim.core.torchrun import TorchrunRank
-from msmodelslim.errors import ResumableError, Terminated, UserError
+from msmodelslim.errors import ResumableError, UserError
 from msmodelslim.model.facts import ModelFacts
 from msmodelslim.model.registry import ModelEntry, load_registry
 from msmodelslim.pipeline.resume import ResumeState, check_fingerprint, fingerprint, identity_difference, input_identity
@@ -376,45 +376,6 @@ def _check_free_space(model_path: Path, save_path: Path) -> None:
                         f"of {model_path.name} can take up to {needed / 2**30:.2f} GiB")
 
 
-@dataclass
-class _Stop:
-    """The signal that stopped the run, if one did."""
-
-    signum: int | None = None
-
-    def replace(self, error: BaseException) -> BaseException:
-        """What the run failed with: the signal's own exception when a signal came, whatever the code it
-        interrupted made of it (an exception raised inside a library can surface as another error)."""
-        if self.signum is None or isinstance(error, (Terminated, KeyboardInterrupt)):
-            return error
-        return KeyboardInterrupt() if self.signum == signal.SIGINT else Terminated(self.signum)
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[_Stop]:
-    """SIGTERM unwinds like Ctrl-C does (ranks stopped, temporary output removed or kept as resumable state), then
-    exits 143; both signals are remembered (`_Stop`). Only the first one unwinds: a second, a few milliseconds later
-    (a supervisor, an impatient Ctrl-C), would interrupt the cleanup the first one started."""
-    stop = _Stop()
-
-    def handler(signum: int, frame: object) -> None:
-        if stop.signum is not None:
-            return  # the run is already unwinding: a second signal must not cut its cleanup short
-        stop.signum = signum
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
-
-    try:
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    except ValueError:  # not the main thread (an embedding application): leave its signals alone
-        yield stop
-        return
-    try:
-        yield stop
-    finally:
-        for s, handler_before in previous.items():
-            signal.signal(s, handler_before)
-
-
 def _check_state(plan: _Plan, args: QuantArgs) -> tuple[Path, dict[str, Any], int | None]:
     """The read-only half of `_open_work_dir` (`--plan` makes it too): the temporary output's path, the run's
     fingerprint and, with `--resume`, the unit to resume after. A plain run refuses to overwrite resumable state;
@@ -464,7 +425,7 @@ def _open_work_dir(plan: _Plan, args: QuantArgs) -> tuple[Path, int | None]:
 
 
 @contextlib.contextmanager
-def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: bool = False,
+def _on_failure(stop: Stop, work_dir: Path, world: int, *files: Path, resumed: bool = False,
                 resumable: bool = True) -> Iterator[None]:
     """Whatever fails inside: `_failed` decides what stays, and a signal is re-raised as the signal."""
     try:
@@ -472,14 +433,11 @@ def _on_failure(stop: _Stop, work_dir: Path, world: int, *files: Path, resumed: 
     except BaseException as exc:
         # A signal that arrives while the failure is handled (torchrun's agent signals the survivors as soon as a rank
         # dies, often just after they lost their peer) waits until the handling is done, then stops the run.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with signals_held():
             error = stop.replace(exc)
             if isinstance(error, Exception) and not isinstance(error, UserError):
                 error = disk_full_error(work_dir, error) or error  # the publish's own writes
             _failed(work_dir, world, error, *files, resumed=resumed, resumable=resumable)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if error is exc:
             raise
         raise error from None
@@ -512,14 +470,11 @@ def _finish_output(plan: _Plan, args: QuantArgs, work_dir: Path) -> None:
 def _remove_output(work_dir: Path | None, *files: Path) -> None:
     """Remove a failed run's temporary output, with SIGINT / SIGTERM held back meanwhile: under torchrun the
     agent signals every rank as soon as one fails, and a signal must not cut the removal short."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
+    with signals_held():
         if work_dir is not None:
             shutil.rmtree(work_dir, ignore_errors=True)
         for path in files:
             path.unlink(missing_ok=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _quant_spawned(plan: _Plan, args: QuantArgs) -> None:

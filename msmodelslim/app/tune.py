@@ -32,10 +32,11 @@ from typing import Any, get_args
 
 import yaml
 
-from msmodelslim.app.quant import NAME_MAX, QuantArgs, check_request, output_lock, quant, sigterm_raises
+from msmodelslim.app.quant import NAME_MAX, QuantArgs, check_request, output_lock, quant
 from msmodelslim.core.config import DEFAULT_IMPACT_TOKENS
 from msmodelslim.core.device import parse_device
 from msmodelslim.core.report import REPORT_FILE, ReportMetric, ranked, read_report
+from msmodelslim.core.signals import sigterm_raises
 from msmodelslim.errors import UserError
 from msmodelslim.eval.perplexity import check_eval_args, eval_windows
 from msmodelslim.processor.fallback import serving_groups, with_groups, worst_within

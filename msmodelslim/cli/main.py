@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from msmodelslim.core.signals import Stop, sigterm_raises
 from msmodelslim.errors import RankLost, Terminated, UserError
 from msmodelslim.log import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging, escape_controls
 
@@ -276,30 +277,38 @@ def _run_eval(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if argv and argv[0] == "eval":
-            return _run_eval(argv[1:])
-        ns = build_parser().parse_args(argv)  # argparse exits 2 with its own message on a bad command line
-        if ns.command == "eval":  # pragma: no cover - handled above
-            return _run_eval(argv[1:])
-        if ns.command == "analyze":
-            return _run_analyze(ns)
-        if ns.command == "tune":
-            return _run_tune(ns)
-        return _run_quant(ns)
-    except UserError as exc:
-        print(f"msmodelslim: error: {escape_controls(str(exc))}", file=sys.stderr)
-        return 2
-    except RankLost as exc:
-        print(f"msmodelslim: error: {escape_controls(str(exc))}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("msmodelslim: interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("msmodelslim: terminated", file=sys.stderr)
-        return 143
+    with sigterm_raises() as stop:  # until the last line is out: a signal then must not kill the process before it
+        try:
+            return _run(argv)
+        except UserError as exc:
+            return _last_line(stop, f"error: {escape_controls(str(exc))}", 2)
+        except RankLost as exc:
+            return _last_line(stop, f"error: {escape_controls(str(exc))}", 1)
+        except KeyboardInterrupt:
+            return _last_line(stop, "interrupted", 130)
+        except Terminated:
+            return _last_line(stop, "terminated", 143)
 
+
+def _run(argv: list[str]) -> int:
+    if argv and argv[0] == "eval":
+        return _run_eval(argv[1:])
+    ns = build_parser().parse_args(argv)  # argparse exits 2 with its own message on a bad command line
+    if ns.command == "eval":  # pragma: no cover - handled above
+        return _run_eval(argv[1:])
+    if ns.command == "analyze":
+        return _run_analyze(ns)
+    if ns.command == "tune":
+        return _run_tune(ns)
+    return _run_quant(ns)
+
+
+def _last_line(stop: Stop, what: str, status: int) -> int:
+    """The one line a stopped run ends with; signals that come now (torchrun's agent signals a rank that already
+    lost its peer) are ignored: the run has unwound, and the line says why it stopped."""
+    stop.settled = True
+    print(f"msmodelslim: {what}", file=sys.stderr)
+    return status
 
 if __name__ == "__main__":
     sys.exit(main())

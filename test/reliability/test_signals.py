@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from msmodelslim.core.signals import sigterm_raises
 from msmodelslim.pipeline.resume import ResumeState
 
 pytestmark = pytest.mark.slow  # whole quantization runs (make test-fast leaves them out)
@@ -172,7 +173,32 @@ def test_a_second_signal_during_cleanup_on_a_slow_file_system_does_not_cut_it_sh
         return slow(self, world)
 
     monkeypatch.setattr(quant_mod.ResumeState, "resume_point", slow_resume_point)
-    with pytest.raises(Terminated), quant_mod.sigterm_raises() as stop, quant_mod._on_failure(stop, work_dir, 1):
+    with pytest.raises(Terminated), sigterm_raises() as stop, quant_mod._on_failure(stop, work_dir, 1):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_signal_while_a_failed_rank_prints_its_last_line_neither_kills_it_nor_raises(tmp_path):
+    # torchrun's agent signals every rank once one died; a survivor that already unwound (it lost its peer) may get
+    # that SIGTERM while it says so. Reference: the subprocess's exit status and stderr; the SIGTERM is sent from
+    # inside the write of the last line, so the signal lands in the window under test on every run.
+    script = tmp_path / "last_line.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from msmodelslim.cli import main as cli\n"
+        "from msmodelslim.errors import RankLost\n"
+        "class Err:\n"
+        "    def write(self, text):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        sys.__stderr__.write(text)\n"
+        "    def flush(self):\n"
+        "        sys.__stderr__.flush()\n"
+        "def lost(argv):\n"
+        "    raise RankLost('rank 1 is gone')\n"
+        "cli._run = lost\n"
+        "sys.stderr = Err()\n"
+        "sys.exit(cli.main(['quant']))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.splitlines() == ["msmodelslim: error: rank 1 is gone"], done.stderr[-2000:]
