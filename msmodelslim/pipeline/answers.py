@@ -22,6 +22,7 @@ from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stat
 from msmodelslim.core.routing import routed_rows, row_weights
 from msmodelslim.pipeline.statistics import Statistic, kinds_for
 from msmodelslim.processor.base import UnitContext
+from msmodelslim.quant.modules import RECORD_ROW_GROUPS
 
 
 class Sample:
@@ -35,15 +36,23 @@ class Sample:
     def __init__(self, names: Sequence[str], tokens: int | None) -> None:
         self.names = frozenset(names)
         self.tokens = tokens
-        # (module, its input, the router weights of its rows: core/routing.py) per call
-        self.calls: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        # per call (module, its input, the router weights of its rows: core/routing.py), or per grouped call
+        # (its modules, their input, each one's rows of it: `record_groups`)
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor | None]
+                         | tuple[tuple[str, ...], torch.Tensor, tuple[tuple[int, int], ...]]] = []
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (the input as the pass met it, its copy)
 
-    def record(self, name: str, x: torch.Tensor) -> None:
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
         last = self._last
         if last is None or not _same_input(last[0], x):
             last = self._last = (x, x.clone())  # holding x keeps its address its own while it is compared
-        self.calls.append((name, last[1], row_weights()))
+        return last[1]
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        self.calls.append((name, self._copy(x), row_weights()))
+
+    def record_groups(self, names: Sequence[str], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        self.calls.append((tuple(names), self._copy(x), tuple(bounds)))
 
     def serves(self, request: Observe) -> bool:
         return request.tokens == self.tokens and request.modules() <= self.names and not request.quant_error
@@ -195,6 +204,18 @@ def recording(ctx: UnitContext, request: Observe, kinds: Sequence[Statistic],
     def observed() -> bool:
         return request.tokens is None or ctx.within_first(request.tokens)
 
+    inputs = [k for k in kinds if not k.reads_output]
+
+    def record_row_groups(group_names: Sequence[str], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """The pre-hooks' calls of a grouped position at once (quant/modules.py: `linears_over_row_groups`)."""
+        x = x.detach()
+        if sample is not None and ctx.within_first(sample.tokens):
+            kept = [(n, b) for n, b in zip(group_names, bounds, strict=True) if n in keeping]
+            if kept:
+                sample.record_groups([n for n, _ in kept], x, [b for _, b in kept])
+        if observed():
+            _record_groups(inputs, group_names, x, bounds)
+
     def input_hook(name: str) -> Callable:
         watching = [k for k in kinds if name in k.names and not k.reads_output]
         keep = sample if name in keeping else None
@@ -208,6 +229,8 @@ def recording(ctx: UnitContext, request: Observe, kinds: Sequence[Statistic],
             if watching and observed():
                 _record(watching, name, x)
 
+        setattr(hook, RECORD_ROW_GROUPS, record_row_groups)  # one object for every hook of the pass
+        hook.observed_name = name  # type: ignore[attr-defined]
         return hook
 
     def output_hook(name: str, watching: list[Statistic]) -> Callable:
@@ -238,10 +261,13 @@ def replayed(ctx: UnitContext, request: Observe, sample: Sample) -> Stats:
     in the same order reach the same kinds, so the same statistics, and no forward runs."""
     kinds = kinds_of(ctx, request)
     with torch.no_grad():
-        for name, x, weights in sample.calls:
+        for name, x, extra in sample.calls:
+            if isinstance(name, tuple):  # a grouped call: its modules and their rows
+                _record_groups(kinds, name, x, extra)
+                continue
             watching = [k for k in kinds if name in k.names]
             if watching:
-                with routed_rows(weights) if weights is not None else contextlib.nullcontext():
+                with routed_rows(extra) if extra is not None else contextlib.nullcontext():
                     _record(watching, name, x)
     return finished(ctx, kinds)
 
@@ -258,6 +284,17 @@ def _record(kinds: Sequence[Statistic], name: str, x: torch.Tensor) -> None:
     flat = x.reshape(-1, x.shape[-1])
     for k in kinds:
         k.record(name, flat if k.flat_input else x)
+
+
+def _record_groups(kinds: Sequence[Statistic], names: Sequence[str], x: torch.Tensor,
+                   bounds: Sequence[tuple[int, int]]) -> None:
+    """A grouped call (names[g] read rows bounds[g] of x) to each kind, with the names it watches."""
+    for k in kinds:
+        mine = [g for g, name in enumerate(names) if name in k.name_set]
+        if len(mine) == len(names):
+            k.record_groups(names, x, bounds)
+        elif mine:
+            k.record_groups([names[g] for g in mine], x, [bounds[g] for g in mine])
 
 
 def finished(ctx: UnitContext, kinds: Sequence[Statistic]) -> Stats:

@@ -16,7 +16,7 @@ number of ranks; across rank counts:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -34,6 +34,7 @@ HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed exper
 # time of the whole square in float32, 0.3-0.65x as bf16 dot products (BENCHMARKS.md, issue 31); accelerators keep
 # one product per chunk (one launch)
 HESSIAN_CPU_STRIP = 128
+HESSIAN_HELD_SLACK_BYTES = 1 << 28  # a grouped call's rows held as views: what their buffers may keep alive beyond
 TOKEN_RANGE_GRID_BITS = 40  # (max|x| / bound)^2 in steps of 2^-40: int64 sums exact up to 2^23 tokens
 TOKEN_RANGE_MAX_TOKENS = 1 << (63 - TOKEN_RANGE_GRID_BITS)
 TOKEN_RANGE_CHUNK_ELEMENTS = 1 << 26  # candidate x row x channel products held at once (256 MB of float32)
@@ -63,9 +64,17 @@ class Statistic:
         self.request = request
         self.device = device
         self.names: tuple[str, ...] = tuple(getattr(request, self.field))
+        self.name_set = frozenset(self.names)
 
     def record(self, name: str, x: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def record_groups(self, names: Sequence[str], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """The calls of one grouped position (a routed expert's w1 for each expert, say: `names[g]` read rows
+        `bounds[g]` of x, in order, none empty), as `record` would get them one by one. A kind that can take
+        them at once overrides it: the same values for fewer launches."""
+        for name, (start, end) in zip(names, bounds, strict=True):
+            self.record(name, x[start:end])
 
     def record_call(self, name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
@@ -88,7 +97,9 @@ def same_input(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 class AbsMax(Statistic):
     """Per input channel max |x| (float32 [d]). A reader called with the input the previous call had (an expert's
     w3 after its w1) takes that call's maxima, not another reduction, and where it held the same maxima as that
-    reader before (it has read what that one read), their new maxima too."""
+    reader before (it has read what that one read), their new maxima too. A grouped position's calls
+    (`record_groups`) reduce into one table per width, a row per reader: a few launches for every expert at once
+    (max is exact: the same values), merged with the per-call maxima at the end."""
 
     field = "absmax"
 
@@ -97,6 +108,10 @@ class AbsMax(Statistic):
         self.values: dict[str, torch.Tensor] = {}
         # the last call: its input, the input's maxima, and the reader's maxima before and after it
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self.tables: dict[int, torch.Tensor] = {}  # width -> float32 [readers, width], zeros where none was read
+        self.slots: dict[str, int] = {}  # reader -> its row in its width's table
+        # the last grouped call: its input, its bounds and each group's maxima
+        self._last_groups: tuple[torch.Tensor, tuple[tuple[int, int], ...], torch.Tensor] | None = None
 
     def record(self, name: str, x: torch.Tensor) -> None:
         last = self._last
@@ -110,13 +125,54 @@ class AbsMax(Statistic):
         self.values[name] = amax if prev is None else torch.maximum(prev, amax)
         self._last = (x, amax, prev, self.values[name])  # holding x keeps its address unique while it is compared
 
+    def record_groups(self, names: Sequence[str], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        bounds = tuple(bounds)
+        last = self._last_groups
+        if last is not None and same_input(last[0], x) and last[1] == bounds:
+            maxima = last[2]
+        else:
+            maxima = group_maxima(x, bounds)
+            self._last_groups = (x, bounds, maxima)
+        d = x.shape[1]
+        table = self.tables.get(d)
+        if table is None:
+            # a row for every reader of any width: slots count readers over the widths
+            table = self.tables[d] = torch.zeros(len(self.names), d, dtype=torch.float32, device=x.device)
+        rows = [self.slots.setdefault(name, len(self.slots)) for name in names]
+        table.scatter_reduce_(0, torch.tensor(rows, device=x.device)[:, None].expand(-1, d), maxima, "amax")
+
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
-        self._last = None
+        self._last = self._last_groups = None
+        for name, slot in self.slots.items():
+            grouped = self.tables[width(modules[name])][slot]
+            prev = self.values.get(name)
+            self.values[name] = grouped if prev is None else torch.maximum(prev, grouped)
         for name in self.names:
             self.values.setdefault(name, torch.zeros(width(modules[name]), dtype=torch.float32, device=self.device))
         shared = dist.all_reduce_max({n: v for n, v in self.values.items() if replicated(n)})
         stats.absmax.update({**self.values, **shared})
+
+
+def group_maxima(x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """max |x| over each group's rows (`bounds`, in order, not overlapping, none empty) as float32 [groups, d]: one
+    scatter reduction (exact: the same values as each group's `amax`). Rows between groups go to a spare row."""
+    ids, lengths, at = [], [], 0
+    for g, (start, end) in enumerate(bounds):
+        if start > at:
+            ids.append(len(bounds))
+            lengths.append(start - at)
+        ids.append(g)
+        lengths.append(end - start)
+        at = end
+    if at < x.shape[0]:
+        ids.append(len(bounds))
+        lengths.append(x.shape[0] - at)
+    row_group = torch.repeat_interleave(torch.tensor(ids, device=x.device), torch.tensor(lengths, device=x.device),
+                                        output_size=x.shape[0])  # its size said: no wait for the device
+    maxima = torch.zeros(len(bounds) + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    maxima.scatter_reduce_(0, row_group[:, None].expand(-1, x.shape[1]), x.abs(), "amax")
+    return maxima[:len(bounds)].float()
 
 
 def _too_many_tokens(name: str, limit: int) -> str:
@@ -155,6 +211,8 @@ class Hessian(Statistic):
         self.leader: dict[str, str] = {}  # every recorded name -> the name whose sums it shares
         self.weights: dict[str, torch.Tensor] = {}  # leader -> sum of its rows' router weights (weighted rows only)
         self._last: tuple[str, torch.Tensor] | None = None  # (leader, input) of the last call
+        # (readers, input, bounds) of the last grouped call (`record_groups`)
+        self._last_groups: tuple[tuple[str, ...], torch.Tensor, tuple[tuple[int, int], ...]] | None = None
 
     def record(self, name: str, x: torch.Tensor) -> None:
         last = self._last
@@ -168,6 +226,7 @@ class Hessian(Statistic):
             self.leader[name] = last[0]
             return
         self.leader[name] = name
+        self._last_groups = None
         source = x  # what a reader after this one is compared with
         weights = row_weights()
         if weights is not None:  # float32 rows sqrt(w) x: x W^T's rows are exact in it, the weights are not
@@ -188,6 +247,63 @@ class Hessian(Statistic):
             # buffers alive (a device peak growing with the tokens: 47.7 GiB at 1M tokens against 26 at 256k)
             self.pending[name][-1] = x.clone()
         self._last = (name, source)  # holding it keeps its address unique while it is compared
+
+    def record_groups(self, names: Sequence[str], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """Each group's rows, held as views of x until a chunk fills (no copy per expert): the same rows in the same
+        order per reader as its calls bring them, so the same sums. Readers of the last grouped call's input and
+        bounds (w3 after w1) follow its readers, group by group. What the views keep alive is bounded
+        (`_compact`)."""
+        if row_weights() is not None:  # router weights come with one expert's call
+            super().record_groups(names, x, bounds)
+            return
+        bounds = tuple(bounds)
+        last = self._last_groups
+        same = last is not None and same_input(last[1], x) and last[2] == bounds
+        full = []
+        for g, (name, (start, end)) in enumerate(zip(names, bounds, strict=True)):
+            leader = self.leader.get(name)
+            if leader is not None and leader != name:  # a follower: its leader just recorded this input
+                if not same or last[0][g] != leader:
+                    raise RuntimeError(f"{name} shared its input with {leader} and then read another one")
+                continue
+            if leader is None and same:  # first call: reads what the previous grouped reader read
+                self.leader[name] = last[0][g]
+                continue
+            self.leader[name] = name
+            self.pending.setdefault(name, []).append(x[start:end])
+            self.pending_rows[name] = self.pending_rows.get(name, 0) + end - start
+            self.tokens[name] = self.tokens.get(name, 0) + end - start
+            if self.pending_rows[name] >= HESSIAN_CHUNK_TOKENS:
+                full.append(name)
+        for name in full:
+            self._flush(name)
+        self._last, self._last_groups = None, (tuple(names), x, bounds)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rows held as views keep their whole buffers alive (a rarely routed expert's, one call's grouped input
+        per call): past twice the held rows (and HESSIAN_HELD_SLACK_BYTES), every held row is copied into one
+        buffer per width (one launch each), which the views then take."""
+        buffers: dict[int, int] = {}
+        held = 0
+        for rows in self.pending.values():
+            for t in rows:
+                buffers[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                held += t.numel() * t.element_size()
+        if sum(buffers.values()) <= 2 * held + HESSIAN_HELD_SLACK_BYTES:
+            return
+        by_kind: dict[tuple[torch.dtype, int], list[str]] = {}
+        for name, rows in self.pending.items():
+            if rows:
+                by_kind.setdefault((rows[0].dtype, rows[0].shape[1]), []).append(name)
+        for names in by_kind.values():
+            parts = [t for name in names for t in self.pending[name]]
+            packed = torch.cat(parts)
+            at = 0
+            for name in names:
+                n = self.pending_rows[name]
+                self.pending[name] = [packed[at:at + n]]
+                at += n
 
     def _flush(self, name: str, final: bool = False) -> None:
         """Add the rows held for `name` to its sums, in chunks of exactly HESSIAN_CHUNK_TOKENS rows (the last one
@@ -238,7 +354,7 @@ class Hessian(Statistic):
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
-        self._last = None
+        self._last = self._last_groups = None
         for name in list(self.pending):
             self._flush(name, final=True)
         self._agree_on_leaders(dist, replicated)

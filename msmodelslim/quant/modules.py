@@ -468,6 +468,8 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
         all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds, x.dtype)
                if tiled and _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
+    # a position whose pre-hooks are the runner's statistics records every group in one call, then runs unhooked
+    recorded = [_recorded_at_once(modules, x, bounds) for modules in positions]
     pieces: list[list[torch.Tensor]] = [[] for _ in positions]
     for group, (start, end) in zip(readers, bounds, strict=True):
         rows = x[start:end]
@@ -479,12 +481,32 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
                 y = module.integer_product(qx[start:end], sx[start:end], product_dtype)
                 pieces[j].append(y)
             else:
-                pieces[j].append(module(rows))
+                pieces[j].append(module.forward(rows) if recorded[j] else module(rows))
                 continue
             for hook in module._forward_hooks.values():
                 if hook(module, (rows,), y.to(x.dtype)) is not None:
                     raise RuntimeError(f"a forward hook of {module} replaced the output of a grouped expert call")
     return [buffer if buffer is not None else torch.cat(p).to(x.dtype) for buffer, p in zip(buffers, pieces)]
+
+
+# A forward pre-hook carrying this attribute (the runner's statistics: pipeline/answers.py) takes a grouped
+# position's calls at once: f(names, x, bounds), names[g] read rows bounds[g] of x; the same object on every hook
+# of one pass, whose `observed_name` says the module's name
+RECORD_ROW_GROUPS = "record_row_groups"
+
+
+def _recorded_at_once(modules: Sequence[nn.Module], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> bool:
+    """Hand a position's calls to its modules' grouped recorder, when each module's only hook is that pre-hook
+    (its calls then record nothing more): True when it took them, and the modules are to run unhooked."""
+    hooks = [tuple(m._forward_pre_hooks.values()) for m in modules]
+    if not hooks or any(len(h) != 1 or m._forward_hooks for h, m in zip(hooks, modules)):
+        return False
+    record = getattr(hooks[0][0], RECORD_ROW_GROUPS, None)
+    if record is None or any(getattr(h[0], RECORD_ROW_GROUPS, None) is not record for h in hooks):
+        return False
+    kept = [(h[0].observed_name, b) for h, b in zip(hooks, bounds, strict=True) if b[1] > b[0]]
+    record([name for name, _ in kept], x, [b for _, b in kept])
+    return True
 
 
 def _buffers_products(x: torch.Tensor) -> bool:

@@ -244,6 +244,68 @@ def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and
         assert called == [1, 1]  # in the dispatch and in the reference: expert by expert
 
 
+@pytest.mark.parametrize("chunk", [16, 4096], ids=["chunks fill, rows compacted", "rows held to the end"])
+def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each_experts_calls(monkeypatch, chunk):
+    """The runner's statistics hooks on the experts' linears take each linear position's calls at once (one
+    recorder call per position: Hessians hold every expert's rows as views, maxima in one scatter reduction, the
+    kept sample one copy). Reference: the same micro-batches recorded call by call (the recorder declined); the
+    Hessians' bytes, token counts, maxima and token ranges equal (tolerance none: the same rows in the same order per
+    expert, max exact), w1 and w3 sharing one Hessian, and the capped sample's replay equal to recording it. With
+    16-row chunks and no slack, full chunks are summed as they fill and held rows are compacted into one buffer."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.core.requests import Observe
+    from msmodelslim.model.base import Unit
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
+    from msmodelslim.pipeline import answers, statistics
+    from msmodelslim.processor.base import UnitContext
+    from msmodelslim.quant import modules
+
+    monkeypatch.setattr(statistics, "HESSIAN_CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(statistics, "HESSIAN_HELD_SLACK_BYTES", 0)
+    experts = _expert_block("float")
+    names = tuple(f"{key}.{n}" for key in experts for n in ("w1", "w3", "w2"))
+    batches = [_routing(tokens=60, seed=s) for s in range(4)]
+
+    class Adapter:
+        def is_rank_local(self, name: str) -> bool:
+            return True
+
+        def statistics_pass(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+    def run() -> None:
+        for x, idx, w in batches:
+            ep_moe_infer(experts, x, idx, w, SINGLE)
+
+    grouped_calls = []
+    found = {}
+    original = modules._recorded_at_once
+    for way in ("at once", "call by call"):
+        if way == "at once":
+            monkeypatch.setattr(modules, "_recorded_at_once",
+                                lambda *a: original(*a) and (grouped_calls.append(1) or True))
+        else:
+            monkeypatch.setattr(modules, "_recorded_at_once", lambda *a: False)
+        sample = answers.Sample(names, None)
+        ctx = UnitContext(Unit("layers.0", "decoder", "model.layers.0.", 0), experts, Adapter(), SINGLE,
+                          run_samples=run)
+        stats = answers.observe(ctx, Observe(hessian=names, absmax=names), sample)
+        replay = answers.replayed(ctx, Observe(hessian=names, absmax=names, tokens=None), sample)
+        found[way] = stats, replay
+    assert len(grouped_calls) == 3 * len(batches)  # w1, w3 (the same input), w2: a recorder call each per batch
+    (at_once, replay_at_once), (by_call, replay_by_call) = found["at once"], found["call by call"]
+    for name in names:
+        assert torch.equal(at_once.hessian[name], by_call.hessian[name]), name
+        assert at_once.tokens[name] == by_call.tokens[name], name
+        assert torch.equal(at_once.absmax[name], by_call.absmax[name]), name
+        assert torch.equal(replay_at_once.hessian[name], at_once.hessian[name]), name
+        assert torch.equal(replay_at_once.absmax[name], replay_by_call.absmax[name]), name
+    for key in experts:  # an expert that got no token has zeros of its own per linear
+        assert (at_once.hessian[f"{key}.w1"] is at_once.hessian[f"{key}.w3"]) == (key != "5"), key
+    assert any(at_once.tokens[n] for n in names) and not at_once.tokens["5.w1"]  # expert 5 gets no token
+
+
 def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
     """`spec.fallback` can leave one expert's linear FLOAT and give another W8A8 among W4A8 experts: the group mixes
     module calls with shared per-token quantization. Reference: each expert called on its rows; tolerance: none."""
