@@ -11,7 +11,7 @@ import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +175,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)
+
+
+def host_values(values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.int64
+                ) -> torch.Tensor:
+    """A small tensor of values the host knows (row counts, table indices), on `device` without waiting for it. On
+    CUDA through pinned memory, copied asynchronously: `torch.tensor(values, device=...)` synchronizes the stream,
+    so the host would wait for every queued kernel, which undoes the overlap of a pass bound by its launches."""
+    values = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from msmodelslim.core.device import cpu_bf16_products, tensor_core_fp32_matmuls
+from msmodelslim.core.device import cpu_bf16_products, host_values, tensor_core_fp32_matmuls
 from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.core.routing import row_weights
@@ -139,7 +139,7 @@ class AbsMax(Statistic):
             # a row for every reader of any width: slots count readers over the widths
             table = self.tables[d] = torch.zeros(len(self.names), d, dtype=torch.float32, device=x.device)
         rows = [self.slots.setdefault(name, len(self.slots)) for name in names]
-        table.scatter_reduce_(0, torch.tensor(rows, device=x.device)[:, None].expand(-1, d), maxima, "amax")
+        table.scatter_reduce_(0, host_values(rows, x.device)[:, None].expand(-1, d), maxima, "amax")
 
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
@@ -168,7 +168,8 @@ def group_maxima(x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Te
     if at < x.shape[0]:
         ids.append(len(bounds))
         lengths.append(x.shape[0] - at)
-    row_group = torch.repeat_interleave(torch.tensor(ids, device=x.device), torch.tensor(lengths, device=x.device),
+    table = host_values([*ids, *lengths], x.device)
+    row_group = torch.repeat_interleave(table[:len(ids)], table[len(ids):],
                                         output_size=x.shape[0])  # its size said: no wait for the device
     maxima = torch.zeros(len(bounds) + 1, x.shape[1], dtype=x.dtype, device=x.device)
     maxima.scatter_reduce_(0, row_group[:, None].expand(-1, x.shape[1]), x.abs(), "amax")

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from msmodelslim.core.device import tensor_core_fp32_matmuls
+from msmodelslim.core.device import host_values, tensor_core_fp32_matmuls
 from msmodelslim.core.placement import not_on_npu
 from msmodelslim.ops.checked_kernel import CheckedKernel
 from msmodelslim.quant.functional import (
@@ -529,24 +529,18 @@ def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[tor
     once, each group's matmul into its rows, then the per-token scales over all rows at once and each module's
     weight scales over its rows: the same float32 operations in the same order as `_float_product` per group
     (rows x sx, then x the weight scale), two launches per group fewer. Where `int8_gemm_fits`, the int8 rows go
-    straight into each group's int8 GEMM, into one int32 buffer, and the scales follow in one kernel
-    (`_scaled_sums`)."""
+    into int8 GEMMs: on CUDA one Triton kernel for every group, sums and scales (`_checked_grouped_gemm`), else
+    one GEMM per group into one int32 buffer and the scales after (`_int8_gemms`)."""
     qx, sx = quantized
     rows = qx.reshape(-1, qx.shape[-1])
     first = modules[0]
     if int8_gemm_fits(rows.device, first.in_features, first.out_features):
-        # a group of fewer rows than the GEMM takes multiplies the rows after it too, into the rows of the sums
-        # after its own: the next groups, computed after it, overwrite them, and the last group's spill lands in
-        # INT8_GEMM_MIN_ROWS rows of padding (no zero-padded copy per small group: one launch per group)
-        total, pad = rows.shape[0], INT8_GEMM_MIN_ROWS
-        padded = torch.empty(total + pad, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        padded[:total] = rows
-        sums = torch.empty(total + pad, first.out_features, dtype=torch.int32, device=rows.device)
-        for m, (start, end) in zip(modules, bounds, strict=True):
-            if end > start:
-                stop = max(end, start + pad)
-                _int8_gemm(padded[start:stop], m.qweight, out=sums[start:stop])
-        return _scaled_sums(sums[:total], sx.reshape(-1), modules, bounds, dtype)
+        if GROUPED_GEMM_KERNEL.enabled and rows.is_cuda:
+            with not_on_npu("the grouped int8 GEMM as a Triton kernel on CUDA (and its check)"):
+                found = _checked_grouped_gemm(modules, rows, sx.reshape(-1), bounds, dtype)
+            if found is not None:
+                return found
+        return _int8_gemms(modules, rows, sx.reshape(-1), bounds, dtype)
     rows = rows.to(torch.float32)
     out = torch.empty(rows.shape[0], first.out_features, dtype=torch.float32, device=rows.device)
     with tensor_core_fp32_matmuls(rows.device):
@@ -554,6 +548,42 @@ def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[tor
             torch.mm(rows[start:end], integer_weight(m.qweight, m.scheme.act.bits, m.scheme.weight.bits).t(),
                      out=out[start:end])
     return _scale_passes(out, sx.reshape(-1), modules, bounds, dtype)
+
+
+def _int8_gemms(modules: Sequence[QuantLinear], rows: torch.Tensor, sx: torch.Tensor,
+                bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """Each group's int8 GEMM into one int32 buffer, then the scales (`_scaled_sums`). A group of fewer rows than
+    the GEMM takes multiplies the rows after it too, into the rows of the sums after its own: the next groups,
+    computed after it, overwrite them, and the last group's spill lands in INT8_GEMM_MIN_ROWS rows of padding (no
+    zero-padded copy per small group: one launch per group)."""
+    total, pad = rows.shape[0], INT8_GEMM_MIN_ROWS
+    padded = torch.empty(total + pad, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    padded[:total] = rows
+    sums = torch.empty(total + pad, modules[0].out_features, dtype=torch.int32, device=rows.device)
+    for m, (start, end) in zip(modules, bounds, strict=True):
+        if end > start:
+            stop = max(end, start + pad)
+            _int8_gemm(padded[start:stop], m.qweight, out=sums[start:stop])
+    return _scaled_sums(sums[:total], sx, modules, bounds, dtype)
+
+
+# CUDA: the grouped experts' int8 GEMMs and their scales as one Triton kernel (ops/grouped_gemm.py), held to the
+# GEMMs per group and their scales
+GROUPED_GEMM_KERNEL = CheckedKernel("grouped experts' int8 GEMMs", "they run as one GEMM per expert from now on: "
+                                    "the same values, more launches", logger)
+
+
+def _checked_grouped_gemm(modules: Sequence[QuantLinear], rows: torch.Tensor, sx: torch.Tensor,
+                          bounds: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor | None:
+    """ops/grouped_gemm.py's products as `dtype`, bit-identical to `_int8_gemms`: its first result in a process is
+    held to theirs; None when the kernel cannot be built or differs (the GEMMs per group from then on, said once)."""
+    from msmodelslim.ops.grouped_gemm import grouped_int8_gemm
+
+    return GROUPED_GEMM_KERNEL.run(
+        lambda: grouped_int8_gemm(rows, sx, [m.qweight for m in modules], [m.weight_scale for m in modules],
+                                  bounds).to(dtype),
+        lambda found: None if torch.equal(found, _int8_gemms(modules, rows, sx, bounds, dtype))
+        else "gave other values than the GEMMs per group")
 
 
 def _scale_passes(out: torch.Tensor, sx: torch.Tensor, modules: Sequence[QuantLinear],
@@ -600,7 +630,7 @@ def _kernel_scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[
     groups."""
     from msmodelslim.ops.group_scales import group_scales
 
-    counts = torch.tensor([end - start for start, end in bounds], device=sums.device)
+    counts = host_values([end - start for start, end in bounds], sums.device)
     groups = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32, device=sums.device), counts,
                                      output_size=sums.shape[0])  # its size said: no wait for the device
     weight_scales = torch.cat([m.weight_scale.reshape(1, -1) for m in modules])

@@ -411,6 +411,57 @@ def test_the_group_scales_kernel_compiles_for_hopper_with_two_rounded_products(h
     assert "cvt.rn.f32.s32" in ptx and "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
 
 
+GROUPED_GEMM_CHECK = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # the kernel run by Triton's interpreter, on the CPU
+import torch
+from torch import nn
+from msmodelslim.ops.grouped_gemm import grouped_int8_gemm
+from msmodelslim.quant.modules import QuantLinear, _int8_gemms
+
+g = torch.Generator().manual_seed(5)
+bounds = [(0, 5), (5, 5), (5, 75), (75, 76), (76, 135)]  # an empty group, one of two row tiles, one of 1 row
+modules = [QuantLinear.from_linear(nn.Linear(1064, 136, bias=False), "W8A8_DYNAMIC", weight_method="minmax")
+           for _ in bounds]  # 1064 inputs: a partly masked last k block, sums past 2^24; 136 outputs: two column blocks
+rows = torch.randint(-127, 128, (135, 1064), generator=g, dtype=torch.int8)
+rows[0] = 127
+modules[0].qweight[0] = 127  # a sum of 1064 x 127^2, past 2^24: rounded to float32
+sx = torch.rand(135, generator=g) * 1e-3
+kernel = grouped_int8_gemm(rows, sx, [m.qweight for m in modules], [m.weight_scale for m in modules], bounds)
+for dtype in (torch.float32, torch.bfloat16):
+    print(torch.equal(kernel.to(dtype), _int8_gemms(modules, rows, sx, bounds, dtype)))
+print(bool((rows[:1].double() @ modules[0].qweight.double().t()).abs().max() > 2 ** 24))
+"""
+
+
+def test_the_grouped_int8_gemm_kernel_gives_the_gemms_per_group_and_their_scales():
+    """ops/grouped_gemm.py (CUDA's grouped experts' int8 products and scales in one launch), run by Triton's
+    interpreter on the CPU, against one int8 GEMM per group (`torch._int_mm`) and the scaling passes: groups of 5,
+    0, 70 (two row tiles), 1 and 59 rows, 1064 inputs (a masked k block; sums past 2^24, rounded as float32), 136
+    outputs (a masked column block). Tolerance none, in float32 and after the cast to bf16."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", GROUPED_GEMM_CHECK], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
+def test_the_grouped_int8_gemm_kernel_compiles_for_hopper_with_two_rounded_products(hopper_ptx):
+    """The grouped GEMM as CUDA runs it, compiled for sm_90 without a GPU: it builds with int8 tensor-core products
+    into int32, the sums become float32 rounded to nearest, and the two scales stay two rounded multiplies (no
+    fused multiply-add). Reference: the PTX text."""
+    from msmodelslim.ops.grouped_gemm import _BLOCK_COLS, _BLOCK_K, _BLOCK_ROWS, _grouped_int8_kernel
+
+    signature = {"X": "*i8", "TOKEN_SCALES": "*fp32", "WEIGHTS": "*i64", "WEIGHT_SCALES": "*i64", "TILES": "*i64",
+                 "OUT": "*fp32", "inner": "i32", "cols": "i32", "BLOCK_ROWS": "constexpr", "BLOCK_COLS": "constexpr",
+                 "BLOCK_K": "constexpr"}
+    ptx = hopper_ptx(_grouped_int8_kernel, signature,
+                     {"BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLS": _BLOCK_COLS, "BLOCK_K": _BLOCK_K})
+    assert ".s8" in ptx and "cvt.rn.f32.s32" in ptx and "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
+
+
 def _failing_kernel(*_args: object) -> torch.Tensor:
     raise RuntimeError("PassManager::run failed\n(the compiler's log)")
 
@@ -450,6 +501,41 @@ def test_a_group_scales_kernel_that_cannot_be_built_or_differs_leaves_the_scalin
     assert len(caplog.records) == 1 and re.fullmatch(
         rf"grouped experts' scales: the Triton kernel {said}; they are scaled in passes from now on: the same "
         r"values, more launches", caplog.records[0].getMessage()), caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(("kernel", "said"), [(_failing_kernel, r"failed \(PassManager::run failed\)"),
+                                              (lambda rows, *_a: rows[:, :24].float(),
+                                               r"gave other values than the GEMMs per group")],
+                         ids=["cannot be built", "differs"])
+def test_a_grouped_int8_gemm_kernel_that_cannot_be_built_or_differs_leaves_the_products_to_the_gemms(
+        kernel, said, monkeypatch, caplog):
+    """If Triton cannot build the grouped GEMM on a GPU, or its first result in a process is not the per-group
+    GEMMs' bit for bit, the run goes on with one GEMM per group (the same values) and says so once. Reference: the
+    kernel's launcher replaced by one that raises as a compiler failure does, and by one that returns other
+    values."""
+    import logging
+    import re
+
+    pytest.importorskip("triton")
+    from msmodelslim.ops import grouped_gemm
+    from msmodelslim.quant import modules as modules_module
+
+    experts = _expert_block("w8a8")
+    linears = [expert.w1 for expert in experts.values()][:3]
+    bounds = [(0, 4), (4, 4), (4, 9)]
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randint(-127, 128, (9, linears[0].in_features), generator=g, dtype=torch.int8)
+    sx = torch.rand(9, generator=g)
+    monkeypatch.setattr(grouped_gemm, "grouped_int8_gemm", kernel)
+    monkeypatch.setattr(modules_module.GROUPED_GEMM_KERNEL, "enabled", True)
+    monkeypatch.setattr(modules_module.GROUPED_GEMM_KERNEL, "checked", False)
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.modules"):
+        assert modules_module._checked_grouped_gemm(linears, rows, sx, bounds, torch.bfloat16) is None
+        assert modules_module._checked_grouped_gemm(linears, rows, sx, bounds, torch.bfloat16) is None  # off now
+    assert modules_module.GROUPED_GEMM_KERNEL.enabled is False
+    assert len(caplog.records) == 1 and re.fullmatch(
+        rf"grouped experts' int8 GEMMs: the Triton kernel {said}; they run as one GEMM per expert from now on: the "
+        r"same values, more launches", caplog.records[0].getMessage()), caplog.records[0].getMessage()
 
 
 def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
