@@ -1,4 +1,4 @@
-"""The grouped experts' int8 GEMMs and their scales as one Triton kernel (CUDA).
+"""The grouped experts' GEMMs as one Triton kernel (CUDA): int8 with their scales, and 16-bit.
 
 A rank's routed experts each multiply their rows (sorted by expert: group g is rows bounds[g]) by their own int8
 weight [out, in]. As one `torch._int_mm` per expert that is 112 launches per linear position at Kimi-K3's EP-8 rank,
@@ -7,7 +7,8 @@ inside one group, made on the host from the bounds it already has) and a table o
 (no stacked copy of the weights), int32 sums per tile as the int8 GEMM makes them, then the same epilogue as
 `group_scales`: the sum rounded to float32, times the row's token scale, times the expert's weight scale, two
 products each rounded, nothing fused. Integer sums are exact in any order, so the output is bit-identical to the
-per-expert GEMMs and their scales.
+per-expert GEMMs and their scales. The 16-bit form (a float expert's linears in the statistics pass) sums in float32
+in another order than a GEMM per expert: within its rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -24,19 +25,19 @@ _BLOCK_ROWS, _BLOCK_COLS, _BLOCK_K = 64, 128, 64
 
 
 @triton.jit
-def _grouped_int8_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, inner, cols,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, inner, cols,
+                    INTEGER: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """INTEGER: int8 rows and weights, int32 sums, then the scales; else 16-bit rows and weights summed in float32."""
     tile = tl.program_id(0)
     group = tl.load(TILES + 3 * tile)
     first = tl.load(TILES + 3 * tile + 1)
     end = tl.load(TILES + 3 * tile + 2)
-    weight = tl.load(WEIGHTS + group).to(tl.pointer_type(tl.int8))  # this expert's [cols, inner], contiguous
-    weight_scale = tl.load(WEIGHT_SCALES + group).to(tl.pointer_type(tl.float32))  # its [cols]
+    weight = tl.load(WEIGHTS + group).to(tl.pointer_type(X.dtype.element_ty))  # this expert's [cols, inner]
     r = first + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     row_mask = r < end
     col_mask = c < cols
-    sums = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.int32)
+    sums = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.int32 if INTEGER else tl.float32)
     for k0 in range(0, inner, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < inner
@@ -44,10 +45,19 @@ def _grouped_int8_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, in
                     other=0)
         b = tl.load(weight + c.to(tl.int64)[None, :] * inner + k[:, None], mask=col_mask[None, :] & k_mask[:, None],
                     other=0)
-        sums = tl.dot(a, b, sums, out_dtype=tl.int32)
-    token_scale = tl.load(TOKEN_SCALES + r, mask=row_mask, other=0.0)
-    scale = tl.load(weight_scale + c, mask=col_mask, other=0.0)
-    out = (sums.to(tl.float32) * token_scale[:, None]) * scale[None, :]
+        if INTEGER:
+            sums = tl.dot(a, b, sums, out_dtype=tl.int32)
+        else:
+            # 16-bit values are exact in TF32, whose products sum in float32 (Triton's interpreter multiplies
+            # bfloat16 tiles as their bits: it checks this form)
+            sums = tl.dot(a.to(tl.float32), b.to(tl.float32), sums, input_precision="tf32", out_dtype=tl.float32)
+    if INTEGER:
+        weight_scale = tl.load(WEIGHT_SCALES + group).to(tl.pointer_type(tl.float32))  # its [cols]
+        token_scale = tl.load(TOKEN_SCALES + r, mask=row_mask, other=0.0)
+        scale = tl.load(weight_scale + c, mask=col_mask, other=0.0)
+        out = (sums.to(tl.float32) * token_scale[:, None]) * scale[None, :]
+    else:
+        out = sums
     tl.store(OUT + r.to(tl.int64)[:, None] * cols + c[None, :], out, mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -66,22 +76,37 @@ def grouped_int8_gemm(rows: torch.Tensor, token_scales: torch.Tensor, weights: S
     * weight_scales[g][j]. rows int8 [n, in] (contiguous), token_scales float32 [n], weights int8 [out, in] and
     weight_scales float32 [out] (or [out, 1]) per group; the bounds tile the rows in order. Rows of no group are
     left unwritten."""
+    scales = [s.reshape(-1) for s in weight_scales]
+    cols = weights[0].shape[0]
+    if any(not s.is_contiguous() or s.dtype != torch.float32 or s.numel() != cols for s in scales):
+        raise ValueError(f"grouped_int8_gemm: every weight scale must be float32 [{cols}]")
+    return _launch(rows, token_scales.contiguous(), weights, scales, bounds, integer=True)
+
+
+def grouped_gemm(rows: torch.Tensor, weights: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]]
+                 ) -> torch.Tensor:
+    """float32 [n, out]: row i of group g is rows[i] . weights[g][j], summed in float32, for 16-bit rows [n, in]
+    (contiguous) and weights [out, in] of their dtype. Not bit-identical to a GEMM per group (the float32 sums run in
+    another order): within their rounding."""
+    return _launch(rows, rows.new_empty(0, dtype=torch.float32), weights, [], bounds, integer=False)
+
+
+def _launch(rows: torch.Tensor, token_scales: torch.Tensor, weights: Sequence[torch.Tensor],
+            scales: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]], integer: bool) -> torch.Tensor:
     n, inner = rows.shape
     cols = weights[0].shape[0]
     out = torch.empty(n, cols, dtype=torch.float32, device=rows.device)
     tiles = row_tiles(bounds)
     if not tiles:
         return out
-    if any(not w.is_contiguous() or tuple(w.shape) != (cols, inner) for w in weights):
-        raise ValueError(f"grouped_int8_gemm: every weight must be a contiguous int8 [{cols}, {inner}]")
-    scales = [s.reshape(-1) for s in weight_scales]
-    if any(not s.is_contiguous() or s.dtype != torch.float32 or s.numel() != cols for s in scales):
-        raise ValueError(f"grouped_int8_gemm: every weight scale must be float32 [{cols}]")
+    if not rows.is_contiguous() or any(not w.is_contiguous() or tuple(w.shape) != (cols, inner)
+                                       or w.dtype != rows.dtype for w in weights):
+        raise ValueError(f"grouped GEMM: contiguous rows and every weight a contiguous {rows.dtype} [{cols}, {inner}]")
     # the tables in one copy to the device, without waiting for it
     table = host_values([*(w.data_ptr() for w in weights), *(s.data_ptr() for s in scales), *tiles], rows.device)
-    groups = len(weights)
+    groups, scaled = len(weights), len(scales)
     grid = (len(tiles) // 3, triton.cdiv(cols, _BLOCK_COLS))
-    _grouped_int8_kernel[grid](rows, token_scales.contiguous(), table[:groups], table[groups:2 * groups],
-                               table[2 * groups:], out, inner, cols, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
-                               BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3, enable_fp_fusion=False)
+    _grouped_kernel[grid](rows, token_scales, table[:groups], table[groups:groups + scaled] if scaled else table,
+                          table[groups + scaled:], out, inner, cols, INTEGER=integer, BLOCK_ROWS=_BLOCK_ROWS,
+                          BLOCK_COLS=_BLOCK_COLS, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3, enable_fp_fusion=False)
     return out

@@ -444,7 +444,8 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     """Row group g of x (rows bounds[g]) is read by the linears readers[g] (a routed expert's w1 and w3, or its
     w2); returns, per reader position j, the concatenation over groups of readers[g][j](x[rows of g]).
 
-    Bit-identical to calling each module on its rows, with fewer launches: the QuantLinears of
+    Bit-identical to calling each module on its rows (but for a statistics pass's float experts on CUDA:
+    `_float_products_in_one_buffer`), with fewer launches: the QuantLinears of
     `_shares_quantized_rows` take the per-token quantization of all rows at once (a per-row computation) and only
     their products per group (on accelerators into one buffer per position: `_products_in_one_buffer`), and their
     forward hooks (statistics of input and output: the quant report's) are called with the group's rows and output
@@ -466,10 +467,13 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     # one buffer is the concatenation only where the groups tile x's rows in order (the grouped experts' do)
     tiled = bool(bounds) and bounds[0][0] == 0 and bounds[-1][1] == x.shape[0] and \
         all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds, x.dtype)
-               if tiled and _buffers_products(x) and _one_product_buffer(modules) else None for modules in positions]
     # a position whose pre-hooks are the runner's statistics records every group in one call, then runs unhooked
     recorded = [_recorded_at_once(modules, x, bounds) for modules in positions]
+    buffers = [_products_in_one_buffer(modules, quantized_rows(modules[0]), bounds, x.dtype)
+               if tiled and _buffers_products(x) and _one_product_buffer(modules)
+               else _float_products_in_one_buffer(modules, x, bounds)
+               if tiled and recorded_here and _one_float_buffer(modules, x) else None
+               for modules, recorded_here in zip(positions, recorded)]
     pieces: list[list[torch.Tensor]] = [[] for _ in positions]
     for group, (start, end) in zip(readers, bounds, strict=True):
         rows = x[start:end]
@@ -521,6 +525,45 @@ def _one_product_buffer(modules: Sequence[nn.Module]) -> bool:
     first = modules[0]
     return all(_shares_quantized_rows(m) and m.scheme.act == first.scheme.act and m.out_features == first.out_features
                and m.weight_scale.shape[-1] == 1 for m in modules)
+
+
+def _one_float_buffer(modules: Sequence[nn.Module], x: torch.Tensor) -> bool:
+    """Plain 16-bit linears without bias, of x's dtype and one output width, on CUDA: one grouped kernel can
+    compute every group's product (`_float_products_in_one_buffer`)."""
+    first = modules[0]
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and FLOAT_GROUPED_KERNEL.enabled and all(
+        type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype and m.weight.is_contiguous()
+        and m.out_features == first.out_features for m in modules)
+
+
+# CUDA: a float expert position's GEMMs as one Triton kernel (ops/grouped_gemm.py), held to the GEMMs per group
+# within their rounding; only where the runner's statistics recorded the position at once (the statistics pass,
+# whose products feed statistics only: a plain or propagating forward keeps its GEMMs per group)
+FLOAT_GROUPED_KERNEL = CheckedKernel("grouped experts' float GEMMs", "they run as one GEMM per expert from now on: "
+                                     "more launches", logger)
+
+
+def _float_products_in_one_buffer(modules: Sequence[nn.Module], x: torch.Tensor,
+                                  bounds: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """Every group's x[rows] @ weight^T in one buffer of x's dtype, by one kernel (float32 sums in its own order);
+    None where the kernel cannot run (the modules are then called group by group). Its first result in a process
+    is held to the GEMMs per group: each element within one rounding of the output dtype plus the float32 sums'
+    bound (in x 2^-23 sum_i |x_i w_i|)."""
+    from msmodelslim.ops.grouped_gemm import grouped_gemm
+
+    rows = x.contiguous()
+    weights = [m.weight.detach() for m in modules]
+
+    def within_rounding(found: torch.Tensor) -> str | None:
+        for w, (start, end) in zip(weights, bounds, strict=True):
+            reference = F.linear(rows[start:end], w).float()
+            bound = reference.abs() * 2.0 ** -7 + \
+                (rows[start:end].float().abs() @ w.float().abs().t()) * (rows.shape[1] * 2.0 ** -23)
+            if not bool(((found[start:end].float() - reference).abs() <= bound).all()):
+                return "gave other values than the GEMMs per group (beyond their rounding)"
+        return None
+
+    return FLOAT_GROUPED_KERNEL.run(lambda: grouped_gemm(rows, weights, bounds).to(x.dtype), within_rounding)
 
 
 def _products_in_one_buffer(modules: Sequence[QuantLinear], quantized: tuple[torch.Tensor, torch.Tensor],

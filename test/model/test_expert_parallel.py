@@ -431,34 +431,46 @@ kernel = grouped_int8_gemm(rows, sx, [m.qweight for m in modules], [m.weight_sca
 for dtype in (torch.float32, torch.bfloat16):
     print(torch.equal(kernel.to(dtype), _int8_gemms(modules, rows, sx, bounds, dtype)))
 print(bool((rows[:1].double() @ modules[0].qweight.double().t()).abs().max() > 2 ** 24))
+
+from msmodelslim.ops.grouped_gemm import grouped_gemm
+weights = [(torch.randn(136, 1064, generator=g) * 0.05).to(torch.bfloat16) for _ in bounds]
+x = (torch.randn(135, 1064, generator=g) * 3).to(torch.bfloat16)
+found, within = grouped_gemm(x, weights, bounds), True
+for w, (start, end) in zip(weights, bounds):
+    exact = x[start:end].double() @ w.double().t()
+    bound = (x[start:end].double().abs() @ w.double().abs().t()) * 1064 * 2.0 ** -24
+    within &= bool(((found[start:end].double() - exact).abs() <= bound).all())
+print(within)
 """
 
 
-def test_the_grouped_int8_gemm_kernel_gives_the_gemms_per_group_and_their_scales():
+def test_the_grouped_gemm_kernel_gives_the_gemms_per_group_and_their_scales():
     """ops/grouped_gemm.py (CUDA's grouped experts' int8 products and scales in one launch), run by Triton's
     interpreter on the CPU, against one int8 GEMM per group (`torch._int_mm`) and the scaling passes: groups of 5,
     0, 70 (two row tiles), 1 and 59 rows, 1064 inputs (a masked k block; sums past 2^24, rounded as float32), 136
-    outputs (a masked column block). Tolerance none, in float32 and after the cast to bf16."""
+    outputs (a masked column block). Tolerance none, in float32 and after the cast to bf16. Its 16-bit form (a
+    statistics pass's float experts) on bf16 rows against float64 products: within the bound of float32 sums of
+    exact products (n 2^-24 sum |x_i w_i|)."""
     import subprocess
     import sys
 
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-c", GROUPED_GEMM_CHECK], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+    assert out.stdout.split() == ["True", "True", "True", "True"], out.stdout
 
 
 def test_the_grouped_int8_gemm_kernel_compiles_for_hopper_with_two_rounded_products(hopper_ptx):
     """The grouped GEMM as CUDA runs it, compiled for sm_90 without a GPU: it builds with int8 tensor-core products
     into int32, the sums become float32 rounded to nearest, and the two scales stay two rounded multiplies (no
     fused multiply-add). Reference: the PTX text."""
-    from msmodelslim.ops.grouped_gemm import _BLOCK_COLS, _BLOCK_K, _BLOCK_ROWS, _grouped_int8_kernel
+    from msmodelslim.ops.grouped_gemm import _BLOCK_COLS, _BLOCK_K, _BLOCK_ROWS, _grouped_kernel
 
     signature = {"X": "*i8", "TOKEN_SCALES": "*fp32", "WEIGHTS": "*i64", "WEIGHT_SCALES": "*i64", "TILES": "*i64",
-                 "OUT": "*fp32", "inner": "i32", "cols": "i32", "BLOCK_ROWS": "constexpr", "BLOCK_COLS": "constexpr",
-                 "BLOCK_K": "constexpr"}
-    ptx = hopper_ptx(_grouped_int8_kernel, signature,
-                     {"BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLS": _BLOCK_COLS, "BLOCK_K": _BLOCK_K})
+                 "OUT": "*fp32", "inner": "i32", "cols": "i32", "INTEGER": "constexpr", "BLOCK_ROWS": "constexpr",
+                 "BLOCK_COLS": "constexpr", "BLOCK_K": "constexpr"}
+    ptx = hopper_ptx(_grouped_kernel, signature,
+                     {"INTEGER": True, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLS": _BLOCK_COLS, "BLOCK_K": _BLOCK_K})
     assert ".s8" in ptx and "cvt.rn.f32.s32" in ptx and "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
 
 
@@ -536,6 +548,42 @@ def test_a_grouped_int8_gemm_kernel_that_cannot_be_built_or_differs_leaves_the_p
     assert len(caplog.records) == 1 and re.fullmatch(
         rf"grouped experts' int8 GEMMs: the Triton kernel {said}; they run as one GEMM per expert from now on: the "
         r"same values, more launches", caplog.records[0].getMessage()), caplog.records[0].getMessage()
+
+
+def test_a_float_grouped_gemm_is_held_to_the_gemms_per_group_within_their_rounding(monkeypatch, caplog):
+    """The statistics pass's float experts on CUDA: the grouped kernel's first result is accepted when within the
+    rounding of a GEMM per group (here: those GEMMs' own values, with float32 noise of 2^-20 relative), refused
+    when 1 % off (the modules are called per group from then on, said once). Reference: F.linear per group."""
+    import logging
+
+    from msmodelslim.ops import grouped_gemm
+    from msmodelslim.quant import modules as modules_module
+
+    experts = _expert_block("float")
+    linears = [expert.w1 for expert in experts.values()][:3]
+    bounds = [(0, 4), (4, 4), (4, 9)]
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def per_group(factor: float):
+        def kernel(rows, weights, bounds_):
+            out = torch.zeros(rows.shape[0], weights[0].shape[0])
+            for w, (start, end) in zip(weights, bounds_):
+                out[start:end] = torch.nn.functional.linear(rows[start:end], w).float() * factor
+            return out
+        return kernel
+
+    monkeypatch.setattr(modules_module.FLOAT_GROUPED_KERNEL, "enabled", True)
+    monkeypatch.setattr(modules_module.FLOAT_GROUPED_KERNEL, "checked", False)
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm", per_group(1 + 2.0 ** -20))
+    found = modules_module._float_products_in_one_buffer(linears, x, bounds)
+    assert found is not None and modules_module.FLOAT_GROUPED_KERNEL.checked
+    monkeypatch.setattr(modules_module.FLOAT_GROUPED_KERNEL, "checked", False)
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm", per_group(1.01))
+    with caplog.at_level(logging.WARNING, logger="msmodelslim.quant.modules"):
+        assert modules_module._float_products_in_one_buffer(linears, x, bounds) is None
+    assert modules_module.FLOAT_GROUPED_KERNEL.enabled is False
+    assert "grouped experts' float GEMMs: the Triton kernel gave other values than the GEMMs per group (beyond " \
+           "their rounding); they run as one GEMM per expert from now on" in caplog.text
 
 
 def test_affinity_guided_experts_weigh_each_expert_hessian_by_its_router_weights():
