@@ -27,17 +27,20 @@ MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 
 @pytest.fixture
-def hopper_ptx() -> Callable[[Any, dict[str, str], dict[str, Any]], str]:
-    """`compile(kernel, signature, constexprs)`: a Triton kernel's PTX as CUDA builds it for sm_90 (H100 / H200),
-    by Triton's own compiler without a GPU (4 warps, no fused multiply-add, as the kernels launch); the test skips
-    where Triton's CUDA back end cannot assemble."""
-    def compile_for_hopper(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> str:
+def hopper_ptx() -> Callable[..., str]:
+    """`compile(kernel, signature, constexprs, aligned=())`: a Triton kernel's PTX as CUDA builds it for sm_90
+    (H100 / H200), by Triton's own compiler without a GPU (4 warps, no fused multiply-add, as the kernels launch),
+    with the arguments at the indices `aligned` known to be multiples of 16 (as a launch finds torch's pointers and
+    such widths); the test skips where Triton's CUDA back end cannot assemble."""
+    def compile_for_hopper(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                           aligned: tuple[int, ...] = ()) -> str:
         pytest.importorskip("triton")
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                           attrs={(i,): [["tt.divisibility", 16]] for i in aligned} or None)
         try:
             built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": 4, "enable_fp_fusion": False})

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from msmodelslim.core.device import host_values
 
-_BLOCK_ROWS, _BLOCK_COLS, _BLOCK_K = 64, 128, 64
+# tile sizes and launch options (bench/grouped_gemm.py compares others)
+CONFIG = {"BLOCK_ROWS": 64, "BLOCK_COLS": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def _grouped_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, inner, 
     group = tl.load(TILES + 3 * tile)
     first = tl.load(TILES + 3 * tile + 1)
     end = tl.load(TILES + 3 * tile + 2)
-    weight = tl.load(WEIGHTS + group).to(tl.pointer_type(X.dtype.element_ty))  # this expert's [cols, inner]
+    # this expert's [cols, inner]: a loaded address has no known alignment, and without one every load is split
+    # into single elements (torch's allocations are 512-byte aligned)
+    weight = tl.multiple_of(tl.load(WEIGHTS + group).to(tl.pointer_type(X.dtype.element_ty)), 16)
     r = first + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     row_mask = r < end
@@ -52,7 +55,7 @@ def _grouped_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, inner, 
             # bfloat16 tiles as their bits: it checks this form)
             sums = tl.dot(a.to(tl.float32), b.to(tl.float32), sums, input_precision="tf32", out_dtype=tl.float32)
     if INTEGER:
-        weight_scale = tl.load(WEIGHT_SCALES + group).to(tl.pointer_type(tl.float32))  # its [cols]
+        weight_scale = tl.multiple_of(tl.load(WEIGHT_SCALES + group).to(tl.pointer_type(tl.float32)), 16)  # [cols]
         token_scale = tl.load(TOKEN_SCALES + r, mask=row_mask, other=0.0)
         scale = tl.load(weight_scale + c, mask=col_mask, other=0.0)
         out = (sums.to(tl.float32) * token_scale[:, None]) * scale[None, :]
@@ -61,7 +64,7 @@ def _grouped_kernel(X, TOKEN_SCALES, WEIGHTS, WEIGHT_SCALES, TILES, OUT, inner, 
     tl.store(OUT + r.to(tl.int64)[:, None] * cols + c[None, :], out, mask=row_mask[:, None] & col_mask[None, :])
 
 
-def row_tiles(bounds: Sequence[tuple[int, int]], block_rows: int = _BLOCK_ROWS) -> list[int]:
+def row_tiles(bounds: Sequence[tuple[int, int]], block_rows: int) -> list[int]:
     """(group, first row, end row) of every tile of at most `block_rows` rows, each inside one group, flat."""
     tiles: list[int] = []
     for g, (start, end) in enumerate(bounds):
@@ -96,7 +99,7 @@ def _launch(rows: torch.Tensor, token_scales: torch.Tensor, weights: Sequence[to
     n, inner = rows.shape
     cols = weights[0].shape[0]
     out = torch.empty(n, cols, dtype=torch.float32, device=rows.device)
-    tiles = row_tiles(bounds)
+    tiles = row_tiles(bounds, CONFIG["BLOCK_ROWS"])
     if not tiles:
         return out
     if not rows.is_contiguous() or any(not w.is_contiguous() or tuple(w.shape) != (cols, inner)
@@ -105,8 +108,7 @@ def _launch(rows: torch.Tensor, token_scales: torch.Tensor, weights: Sequence[to
     # the tables in one copy to the device, without waiting for it
     table = host_values([*(w.data_ptr() for w in weights), *(s.data_ptr() for s in scales), *tiles], rows.device)
     groups, scaled = len(weights), len(scales)
-    grid = (len(tiles) // 3, triton.cdiv(cols, _BLOCK_COLS))
+    grid = (len(tiles) // 3, triton.cdiv(cols, CONFIG["BLOCK_COLS"]))
     _grouped_kernel[grid](rows, token_scales, table[:groups], table[groups:groups + scaled] if scaled else table,
-                          table[groups + scaled:], out, inner, cols, INTEGER=integer, BLOCK_ROWS=_BLOCK_ROWS,
-                          BLOCK_COLS=_BLOCK_COLS, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3, enable_fp_fusion=False)
+                          table[groups + scaled:], out, inner, cols, INTEGER=integer, **CONFIG, enable_fp_fusion=False)
     return out
