@@ -449,9 +449,10 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     `_shares_quantized_rows` take the per-token quantization of all rows at once (a per-row computation) and only
     their products per group (on accelerators into one buffer per position: `_products_in_one_buffer`), and their
     forward hooks (statistics of input and output: the quant report's) are called with the group's rows and output
-    as the module's call would; any other module is called as usual. Calls and hooks come group by group, each
-    group's readers one after the other with the same tensor: that is how readers of one input share a Hessian
-    (pipeline/statistics.py)."""
+    as the module's call would; a position whose modules' only hooks are the runner's statistics hands it every
+    group's rows in one call (`_recorded_at_once`) and runs unhooked; any other module is called as usual. Calls
+    and hooks come group by group, each group's readers one after the other with the same tensor: that is how
+    readers of one input share a Hessian (pipeline/statistics.py)."""
     quantized: dict[IntDtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def quantized_rows(module: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
