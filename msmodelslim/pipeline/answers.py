@@ -22,7 +22,7 @@ from msmodelslim.core.requests import Job, Jobs, Observe, Reduce, Rescaled, Stat
 from msmodelslim.core.routing import routed_rows, row_weights
 from msmodelslim.pipeline.statistics import Statistic, kinds_for
 from msmodelslim.processor.base import UnitContext
-from msmodelslim.quant.modules import RECORD_ROW_GROUPS
+from msmodelslim.quant.modules import RECORD_CALL_GROUPS, RECORD_ROW_GROUPS
 
 
 class Sample:
@@ -233,12 +233,27 @@ def recording(ctx: UnitContext, request: Observe, kinds: Sequence[Statistic],
         hook.observed_name = name  # type: ignore[attr-defined]
         return hook
 
+    outputs = [k for k in kinds if k.reads_output]
+
+    def record_call_groups(group_names: Sequence[str], group_modules: Sequence[nn.Module], x: torch.Tensor,
+                           y: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """The forward hooks' calls of a grouped position at once (`linears_over_row_groups`)."""
+        if not observed():
+            return
+        for k in outputs:
+            mine = [g for g, name in enumerate(group_names) if name in k.name_set]
+            if mine:
+                k.record_call_groups([group_names[g] for g in mine], [group_modules[g] for g in mine], x.detach(),
+                                     y.detach(), [bounds[g] for g in mine])
+
     def output_hook(name: str, watching: list[Statistic]) -> Callable:
         def hook(module: nn.Module, args: tuple, y: torch.Tensor) -> None:
             if args[0].numel() and observed():
                 for k in watching:
                     k.record_call(name, module, args[0].detach(), y.detach())
 
+        setattr(hook, RECORD_CALL_GROUPS, record_call_groups)  # one object for every hook of the pass
+        hook.observed_name = name  # type: ignore[attr-defined]
         return hook
 
     handles = []

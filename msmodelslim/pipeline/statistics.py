@@ -79,6 +79,13 @@ class Statistic:
     def record_call(self, name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def record_call_groups(self, names: Sequence[str], modules: Sequence[nn.Module], x: torch.Tensor,
+                           y: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """`record_groups` for a kind that reads the output: names[g] (module modules[g]) read rows bounds[g] of x
+        and made those rows of y."""
+        for name, module, (start, end) in zip(names, modules, bounds, strict=True):
+            self.record_call(name, module, x[start:end], y[start:end])
+
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
         """Zero-fill, reduce over ranks (replicated modules only: a rank-local expert already saw every rank's
@@ -156,7 +163,15 @@ class AbsMax(Statistic):
 
 def group_maxima(x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
     """max |x| over each group's rows (`bounds`, in order, not overlapping, none empty) as float32 [groups, d]: one
-    scatter reduction (exact: the same values as each group's `amax`). Rows between groups go to a spare row."""
+    scatter reduction (exact: the same values as each group's `amax`)."""
+    maxima = torch.zeros(len(bounds) + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    maxima.scatter_reduce_(0, row_groups(bounds, x.shape[0], x.device)[:, None].expand(-1, x.shape[1]), x.abs(),
+                           "amax")
+    return maxima[:len(bounds)].float()
+
+
+def row_groups(bounds: Sequence[tuple[int, int]], rows: int, device: torch.device) -> torch.Tensor:
+    """Each of `rows` rows' group (`bounds`, in order, not overlapping), len(bounds) for a row of none: [rows]."""
     ids, lengths, at = [], [], 0
     for g, (start, end) in enumerate(bounds):
         if start > at:
@@ -165,15 +180,19 @@ def group_maxima(x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Te
         ids.append(g)
         lengths.append(end - start)
         at = end
-    if at < x.shape[0]:
+    if at < rows:
         ids.append(len(bounds))
-        lengths.append(x.shape[0] - at)
-    table = host_values([*ids, *lengths], x.device)
-    row_group = torch.repeat_interleave(table[:len(ids)], table[len(ids):],
-                                        output_size=x.shape[0])  # its size said: no wait for the device
-    maxima = torch.zeros(len(bounds) + 1, x.shape[1], dtype=x.dtype, device=x.device)
-    maxima.scatter_reduce_(0, row_group[:, None].expand(-1, x.shape[1]), x.abs(), "amax")
-    return maxima[:len(bounds)].float()
+        lengths.append(rows - at)
+    table = host_values([*ids, *lengths], device)
+    return torch.repeat_interleave(table[:len(ids)], table[len(ids):], output_size=rows)  # its size said: no wait
+
+
+def group_sums(values: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """float32 values [rows, k] summed over each group's rows (`groups`: `row_groups`), [count, k]: one float32 GEMM
+    with the groups' indicator rows, deterministic on every device (an index_add's atomics are not)."""
+    indicator = torch.zeros(count + 1, values.shape[0], dtype=torch.float32, device=values.device)
+    indicator.scatter_(0, groups[None, :], 1.0)
+    return (indicator @ values)[:count]
 
 
 def _too_many_tokens(name: str, limit: int) -> str:
@@ -505,6 +524,11 @@ class QuantError(Statistic):
     def __init__(self, request: Observe, ranges: dict[str, torch.Tensor], device: torch.device) -> None:
         super().__init__(request, ranges, device)
         self.sums: dict[str, InputSums] = {}
+        # grouped calls (`record_call_groups`), per input width: a row per linear of [squares | act_error | the 4
+        # moments | output squares] and of the maxima, its token counts on the host
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.slots: dict[str, int] = {}
+        self.table_tokens: dict[str, int] = {}
 
     def record_call(self, name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         x, x_quant = module.kernel_input(x)
@@ -512,8 +536,56 @@ class QuantError(Statistic):
             self.sums[name] = InputSums.zeros(module.in_features, self.device)
         self.sums[name].record(x, x_quant, y)
 
+    def record_call_groups(self, names: Sequence[str], modules: Sequence[nn.Module], x: torch.Tensor,
+                           y: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """Every group's `InputSums.record` at once, for linears of one activation scheme without a rotation (the
+        rows' kernel input is then the same for all): per-row quantities, summed per group by one GEMM
+        (`group_sums`), the maxima by one scatter reduction, into one table row per linear. The same sums in
+        another order: a diagnostic's last bits."""
+        first = modules[0]
+        if any(getattr(m, "online_rotation", True) is not None or m.scheme.act != first.scheme.act
+               for m in modules):
+            super().record_call_groups(names, modules, x, y, bounds)
+            return
+        x, x_quant = first.kernel_input(x)
+        flat = x.reshape(-1, x.shape[-1]).float()
+        d = flat.shape[1]
+        squares = flat.square()
+        columns = [squares, (x_quant.reshape(flat.shape).float() - flat).square() if x_quant is not None
+                   else torch.zeros_like(flat), flat.sum(dim=1, keepdim=True), squares.sum(dim=1, keepdim=True),
+                   (squares * flat).sum(dim=1, keepdim=True), squares.square().sum(dim=1, keepdim=True),
+                   y.reshape(flat.shape[0], -1).float().square().sum(dim=1, keepdim=True)]
+        summed = group_sums(torch.cat(columns, dim=1), row_groups(bounds, flat.shape[0], flat.device), len(bounds))
+        maxima = group_maxima(flat, bounds)
+        if d not in self.tables:
+            self.tables[d] = (torch.zeros(len(self.names), 2 * d + 5, dtype=torch.float32, device=flat.device),
+                              torch.zeros(len(self.names), d, dtype=torch.float32, device=flat.device))
+        sums, absmax = self.tables[d]
+        slots = host_values([self.slots.setdefault(name, len(self.slots)) for name in names], flat.device)
+        sums.scatter_add_(0, slots[:, None].expand(-1, summed.shape[1]), summed)  # a row per linear: one addition each
+        absmax.scatter_reduce_(0, slots[:, None].expand(-1, d), maxima, "amax")
+        for name, (start, end) in zip(names, bounds, strict=True):
+            self.table_tokens[name] = self.table_tokens.get(name, 0) + end - start
+
+    def _merge_tables(self, modules: dict[str, nn.Module]) -> None:
+        """The grouped calls' table rows into each linear's InputSums."""
+        for name, slot in self.slots.items():
+            d = width(modules[name])
+            sums, absmax = self.tables[d]
+            row = sums[slot]
+            grouped = InputSums(row[:d].clone(), row[d:2 * d].clone(), absmax[slot].clone(), row[2 * d:2 * d + 4].clone(),
+                                row[2 * d + 4].clone(), torch.tensor(self.table_tokens[name], device=self.device))
+            own = self.sums.get(name)
+            if own is not None:
+                for k in self.summed:
+                    setattr(grouped, k, getattr(grouped, k) + getattr(own, k))
+                grouped.absmax = torch.maximum(grouped.absmax, own.absmax)
+                grouped.tokens = grouped.tokens + own.tokens
+            self.sums[name] = grouped
+
     def finish(self, modules: dict[str, nn.Module], dist: DistContext, replicated: Callable[[str], bool],
                stats: Stats) -> None:
+        self._merge_tables(modules)
         for name in self.names:
             self.sums.setdefault(name, InputSums.zeros(width(modules[name]), self.device))
         shared = [(n, self.sums[n]) for n in self.names if replicated(n)]

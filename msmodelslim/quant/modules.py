@@ -24,7 +24,7 @@ saver writes it as `<linear>.online_rotation`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -475,6 +475,9 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
                else _float_products_in_one_buffer(modules, x, bounds)
                if tiled and recorded_here and _one_float_buffer(modules, x) else None
                for modules, recorded_here in zip(positions, recorded)]
+    # a position whose forward hooks are the runner's output statistics (the quant report) gets them for every
+    # group in one call, after its output is whole
+    after = [tiled and _call_recorder(modules) for modules in positions]
     pieces: list[list[torch.Tensor]] = [[] for _ in positions]
     for group, (start, end) in zip(readers, bounds, strict=True):
         rows = x[start:end]
@@ -488,16 +491,40 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
             else:
                 pieces[j].append(module.forward(rows) if recorded[j] else module(rows))
                 continue
+            if after[j]:
+                continue
             for hook in module._forward_hooks.values():
                 if hook(module, (rows,), y.to(x.dtype)) is not None:
                     raise RuntimeError(f"a forward hook of {module} replaced the output of a grouped expert call")
-    return [buffer if buffer is not None else torch.cat(p).to(x.dtype) for buffer, p in zip(buffers, pieces)]
+    outputs = [buffer if buffer is not None else torch.cat(p).to(x.dtype) for buffer, p in zip(buffers, pieces)]
+    for modules, output, recorder in zip(positions, outputs, after):
+        if recorder:
+            hooks = [next(iter(m._forward_hooks.values())) for m in modules]
+            recorder([h.observed_name for h in hooks], modules, x, output, bounds)
+    return outputs
 
 
 # A forward pre-hook carrying this attribute (the runner's statistics: pipeline/answers.py) takes a grouped
 # position's calls at once: f(names, x, bounds), names[g] read rows bounds[g] of x; the same object on every hook
 # of one pass, whose `observed_name` says the module's name
 RECORD_ROW_GROUPS = "record_row_groups"
+
+
+# The same for a forward hook (the runner's statistics of input and output: the quant report): f(names, modules,
+# x, y, bounds), y the position's whole output
+RECORD_CALL_GROUPS = "record_call_groups"
+
+
+def _call_recorder(modules: Sequence[nn.Module]) -> Callable[..., None] | None:
+    """The position's grouped output recorder, when each module's only hook is a forward hook carrying it (the same
+    for all) and each shares its quantized rows (its output is computed here, not by a call)."""
+    if not all(_shares_quantized_rows(m) and len(m._forward_hooks) == 1 for m in modules):
+        return None
+    record = getattr(next(iter(modules[0]._forward_hooks.values())), RECORD_CALL_GROUPS, None)
+    if record is None or any(getattr(next(iter(m._forward_hooks.values())), RECORD_CALL_GROUPS, None) is not record
+                             for m in modules):
+        return None
+    return record
 
 
 def _recorded_at_once(modules: Sequence[nn.Module], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> bool:

@@ -306,6 +306,54 @@ def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each
     assert any(at_once.tokens[n] for n in names) and not at_once.tokens["5.w1"]  # expert 5 gets no token
 
 
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_the_quant_reports_sums_of_grouped_experts_are_recorded_at_once_with_each_experts_values(monkeypatch, kind):
+    """The runner's report hooks (`QuantError`, forward hooks) on grouped experts take each linear position's calls
+    at once, after its output is whole: per-row quantities summed per expert by one float32 GEMM with the experts'
+    indicator rows, the maxima by one scatter reduction. Reference: the same micro-batches recorded call by call
+    (the recorder declined): maxima and token counts equal, the float32 sums (squares, activation error, moments,
+    output squares) within 1e-5 relative (the same terms summed in another order)."""
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.core.requests import Observe
+    from msmodelslim.model.base import Unit
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
+    from msmodelslim.pipeline import answers
+    from msmodelslim.processor.base import UnitContext
+    from msmodelslim.quant import modules
+
+    experts = _expert_block(kind)
+    names = tuple(f"{key}.{n}" for key in experts for n in ("w1", "w3", "w2"))
+    batches = [_routing(tokens=60, seed=s) for s in range(3)]
+
+    class Adapter:
+        def is_rank_local(self, name: str) -> bool:
+            return True
+
+        def statistics_pass(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+    def run() -> None:
+        for x, idx, w in batches:
+            ep_moe_infer(experts, x, idx, w, SINGLE)
+
+    at_once_calls, found = [], {}
+    original = modules._call_recorder
+    for way in ("at once", "call by call"):
+        monkeypatch.setattr(modules, "_call_recorder", (lambda m: (r := original(m)) and (at_once_calls.append(1) or r))
+                            if way == "at once" else (lambda m: None))
+        ctx = UnitContext(Unit("layers.0", "decoder", "model.layers.0.", 0), experts, Adapter(), SINGLE,
+                          run_samples=run)
+        found[way] = answers.observe(ctx, Observe(quant_error=names)).quant_error
+    assert len(at_once_calls) == 3 * len(batches)
+    for name in names:
+        a, b = found["at once"][name], found["call by call"][name]
+        assert torch.equal(a.absmax, b.absmax) and int(a.tokens) == int(b.tokens), name
+        for field in ("squares", "act_error", "moments", "output_squares"):
+            assert torch.allclose(getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-6), (name, field)
+    assert int(found["at once"]["5.w1"].tokens) == 0 and int(found["at once"]["3.w2"].tokens) > 0
+
+
 def test_grouped_experts_with_fallbacks_equal_calling_each_expert_bit_for_bit():
     """`spec.fallback` can leave one expert's linear FLOAT and give another W8A8 among W4A8 experts: the group mixes
     module calls with shared per-token quantization. Reference: each expert called on its rows; tolerance: none."""
