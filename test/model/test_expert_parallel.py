@@ -244,6 +244,29 @@ def test_grouped_experts_hand_each_hook_its_expert_rows_and_one_tensor_to_w1_and
         assert called == [1, 1]  # in the dispatch and in the reference: expert by expert
 
 
+def _experts_unit(experts: torch.nn.ModuleDict, batches: list) -> object:
+    """A unit of these experts alone (all rank-local), whose pass routes `batches` (x, idx, w) through them."""
+    import contextlib
+
+    from msmodelslim.core.dist import SINGLE
+    from msmodelslim.model.base import Unit
+    from msmodelslim.model.common.expert_parallel import ep_moe_infer
+    from msmodelslim.processor.base import UnitContext
+
+    class Adapter:
+        def is_rank_local(self, name: str) -> bool:
+            return True
+
+        def statistics_pass(self) -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()
+
+    def run() -> None:
+        for x, idx, w in batches:
+            ep_moe_infer(experts, x, idx, w, SINGLE)
+
+    return UnitContext(Unit("layers.0", "decoder", "model.layers.0.", 0), experts, Adapter(), SINGLE, run_samples=run)
+
+
 @pytest.mark.parametrize("chunk", [16, 4096], ids=["chunks fill, rows compacted", "rows held to the end"])
 def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each_experts_calls(monkeypatch, chunk):
     """The runner's statistics hooks on the experts' linears take each linear position's calls at once (one
@@ -252,12 +275,8 @@ def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each
     Hessians' bytes, token counts, maxima and token ranges equal (tolerance none: the same rows in the same order per
     expert, max exact), w1 and w3 sharing one Hessian, and the capped sample's replay equal to recording it. With
     16-row chunks and no slack, full chunks are summed as they fill and held rows are compacted into one buffer."""
-    from msmodelslim.core.dist import SINGLE
     from msmodelslim.core.requests import Observe
-    from msmodelslim.model.base import Unit
-    from msmodelslim.model.common.expert_parallel import ep_moe_infer
     from msmodelslim.pipeline import answers, statistics
-    from msmodelslim.processor.base import UnitContext
     from msmodelslim.quant import modules
 
     monkeypatch.setattr(statistics, "HESSIAN_CHUNK_TOKENS", chunk)
@@ -265,18 +284,6 @@ def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each
     experts = _expert_block("float")
     names = tuple(f"{key}.{n}" for key in experts for n in ("w1", "w3", "w2"))
     batches = [_routing(tokens=60, seed=s) for s in range(4)]
-
-    class Adapter:
-        def is_rank_local(self, name: str) -> bool:
-            return True
-
-        def statistics_pass(self):
-            import contextlib
-            return contextlib.nullcontext()
-
-    def run() -> None:
-        for x, idx, w in batches:
-            ep_moe_infer(experts, x, idx, w, SINGLE)
 
     grouped_calls = []
     found = {}
@@ -288,8 +295,7 @@ def test_grouped_experts_statistics_are_recorded_at_once_with_the_values_of_each
         else:
             monkeypatch.setattr(modules, "_recorded_at_once", lambda *a: False)
         sample = answers.Sample(names, None)
-        ctx = UnitContext(Unit("layers.0", "decoder", "model.layers.0.", 0), experts, Adapter(), SINGLE,
-                          run_samples=run)
+        ctx = _experts_unit(experts, batches)
         stats = answers.observe(ctx, Observe(hessian=names, absmax=names), sample)
         replay = answers.replayed(ctx, Observe(hessian=names, absmax=names, tokens=None), sample)
         found[way] = stats, replay
@@ -313,38 +319,20 @@ def test_the_quant_reports_sums_of_grouped_experts_are_recorded_at_once_with_eac
     indicator rows, the maxima by one scatter reduction. Reference: the same micro-batches recorded call by call
     (the recorder declined): maxima and token counts equal, the float32 sums (squares, activation error, moments,
     output squares) within 1e-5 relative (the same terms summed in another order)."""
-    from msmodelslim.core.dist import SINGLE
     from msmodelslim.core.requests import Observe
-    from msmodelslim.model.base import Unit
-    from msmodelslim.model.common.expert_parallel import ep_moe_infer
     from msmodelslim.pipeline import answers
-    from msmodelslim.processor.base import UnitContext
     from msmodelslim.quant import modules
 
     experts = _expert_block(kind)
     names = tuple(f"{key}.{n}" for key in experts for n in ("w1", "w3", "w2"))
     batches = [_routing(tokens=60, seed=s) for s in range(3)]
 
-    class Adapter:
-        def is_rank_local(self, name: str) -> bool:
-            return True
-
-        def statistics_pass(self):
-            import contextlib
-            return contextlib.nullcontext()
-
-    def run() -> None:
-        for x, idx, w in batches:
-            ep_moe_infer(experts, x, idx, w, SINGLE)
-
     at_once_calls, found = [], {}
     original = modules._call_recorder
     for way in ("at once", "call by call"):
         monkeypatch.setattr(modules, "_call_recorder", (lambda m: (r := original(m)) and (at_once_calls.append(1) or r))
                             if way == "at once" else (lambda m: None))
-        ctx = UnitContext(Unit("layers.0", "decoder", "model.layers.0.", 0), experts, Adapter(), SINGLE,
-                          run_samples=run)
-        found[way] = answers.observe(ctx, Observe(quant_error=names)).quant_error
+        found[way] = answers.observe(_experts_unit(experts, batches), Observe(quant_error=names)).quant_error
     assert len(at_once_calls) == 3 * len(batches)
     for name in names:
         a, b = found["at once"][name], found["call by call"][name]
