@@ -27,6 +27,7 @@ from msmodelslim.core.dist import DistContext
 from msmodelslim.core.requests import Observe, Stats
 from msmodelslim.core.routing import row_weights
 from msmodelslim.errors import UserError
+from msmodelslim.quant.modules import row_groups
 from msmodelslim.quant.sensitivity import InputSums
 
 HESSIAN_CHUNK_TOKENS = 1 << 10  # rows gathered before a product: a routed expert's calls bring a few tokens each
@@ -138,7 +139,7 @@ class AbsMax(Statistic):
         if last is not None and same_input(last[0], x) and last[1] == bounds:
             maxima = last[2]
         else:
-            maxima = group_maxima(x, bounds)
+            maxima = group_maxima(x, row_groups(bounds, x.shape[0], x.device), len(bounds))
             self._last_groups = (x, bounds, maxima)
         d = x.shape[1]
         table = self.tables.get(d)
@@ -161,30 +162,12 @@ class AbsMax(Statistic):
         stats.absmax.update({**self.values, **shared})
 
 
-def group_maxima(x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """max |x| over each group's rows (`bounds`, in order, not overlapping, none empty) as float32 [groups, d]: one
-    scatter reduction (exact: the same values as each group's `amax`)."""
-    maxima = torch.zeros(len(bounds) + 1, x.shape[1], dtype=x.dtype, device=x.device)
-    maxima.scatter_reduce_(0, row_groups(bounds, x.shape[0], x.device)[:, None].expand(-1, x.shape[1]), x.abs(),
-                           "amax")
-    return maxima[:len(bounds)].float()
-
-
-def row_groups(bounds: Sequence[tuple[int, int]], rows: int, device: torch.device) -> torch.Tensor:
-    """Each of `rows` rows' group (`bounds`, in order, not overlapping), len(bounds) for a row of none: [rows]."""
-    ids, lengths, at = [], [], 0
-    for g, (start, end) in enumerate(bounds):
-        if start > at:
-            ids.append(len(bounds))
-            lengths.append(start - at)
-        ids.append(g)
-        lengths.append(end - start)
-        at = end
-    if at < rows:
-        ids.append(len(bounds))
-        lengths.append(rows - at)
-    table = host_values([*ids, *lengths], device)
-    return torch.repeat_interleave(table[:len(ids)], table[len(ids):], output_size=rows)  # its size said: no wait
+def group_maxima(x: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """max |x| over each group's rows (`groups`: `row_groups`) as float32 [count, d]: one scatter reduction (exact:
+    the same values as each group's `amax`)."""
+    maxima = torch.zeros(count + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    maxima.scatter_reduce_(0, groups[:, None].expand(-1, x.shape[1]), x.abs(), "amax")
+    return maxima[:count].float()
 
 
 def group_sums(values: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
@@ -555,8 +538,9 @@ class QuantError(Statistic):
                    else torch.zeros_like(flat), flat.sum(dim=1, keepdim=True), squares.sum(dim=1, keepdim=True),
                    (squares * flat).sum(dim=1, keepdim=True), squares.square().sum(dim=1, keepdim=True),
                    y.reshape(flat.shape[0], -1).float().square().sum(dim=1, keepdim=True)]
-        summed = group_sums(torch.cat(columns, dim=1), row_groups(bounds, flat.shape[0], flat.device), len(bounds))
-        maxima = group_maxima(flat, bounds)
+        groups = row_groups(bounds, flat.shape[0], flat.device)
+        summed = group_sums(torch.cat(columns, dim=1), groups, len(bounds))
+        maxima = group_maxima(flat, groups, len(bounds))
         if d not in self.tables:
             self.tables[d] = (torch.zeros(len(self.names), 2 * d + 5, dtype=torch.float32, device=flat.device),
                               torch.zeros(len(self.names), d, dtype=torch.float32, device=flat.device))

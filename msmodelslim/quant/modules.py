@@ -449,10 +449,11 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     `_shares_quantized_rows` take the per-token quantization of all rows at once (a per-row computation) and only
     their products per group (on accelerators into one buffer per position: `_products_in_one_buffer`), and their
     forward hooks (statistics of input and output: the quant report's) are called with the group's rows and output
-    as the module's call would; a position whose modules' only hooks are the runner's statistics hands it every
-    group's rows in one call (`_recorded_at_once`) and runs unhooked; any other module is called as usual. Calls
-    and hooks come group by group, each group's readers one after the other with the same tensor: that is how
-    readers of one input share a Hessian (pipeline/statistics.py)."""
+    as the module's call would; a position whose modules' only hooks are the runner's statistics hands them every
+    group's rows in one call instead (before: `_recorded_at_once`, then it runs unhooked; after, with its whole
+    output: `_call_recorder`); any other module is called as usual. Calls and hooks come group by group, each
+    group's readers one after the other with the same tensor: that is how readers of one input share a Hessian
+    (pipeline/statistics.py)."""
     quantized: dict[IntDtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def quantized_rows(module: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,8 +500,8 @@ def linears_over_row_groups(readers: Sequence[Sequence[nn.Module]], x: torch.Ten
     outputs = [buffer if buffer is not None else torch.cat(p).to(x.dtype) for buffer, p in zip(buffers, pieces)]
     for modules, output, recorder in zip(positions, outputs, after):
         if recorder:
-            hooks = [next(iter(m._forward_hooks.values())) for m in modules]
-            recorder([h.observed_name for h in hooks], modules, x, output, bounds)
+            record, names = recorder
+            record(names, modules, x, output, bounds)
     return outputs
 
 
@@ -515,30 +516,58 @@ RECORD_ROW_GROUPS = "record_row_groups"
 RECORD_CALL_GROUPS = "record_call_groups"
 
 
-def _call_recorder(modules: Sequence[nn.Module]) -> Callable[..., None] | None:
-    """The position's grouped output recorder, when each module's only hook is a forward hook carrying it (the same
-    for all) and each shares its quantized rows (its output is computed here, not by a call)."""
-    if not all(_shares_quantized_rows(m) and len(m._forward_hooks) == 1 for m in modules):
+def _shared_recorder(hooks: Sequence[dict[int, Callable[..., Any]]], attribute: str
+                     ) -> tuple[Callable[..., None], list[str]] | None:
+    """The runner's grouped recorder of a position and its modules' names, when each module's only hook of this kind
+    carries `attribute`, the same object for all."""
+    if not hooks or any(len(h) != 1 for h in hooks):
         return None
-    record = getattr(next(iter(modules[0]._forward_hooks.values())), RECORD_CALL_GROUPS, None)
-    if record is None or any(getattr(next(iter(m._forward_hooks.values())), RECORD_CALL_GROUPS, None) is not record
-                             for m in modules):
+    firsts = [next(iter(h.values())) for h in hooks]
+    record = getattr(firsts[0], attribute, None)
+    if record is None or any(getattr(h, attribute, None) is not record for h in firsts):
         return None
-    return record
+    return record, [h.observed_name for h in firsts]
+
+
+def _call_recorder(modules: Sequence[nn.Module]) -> tuple[Callable[..., None], list[str]] | None:
+    """The position's grouped output recorder and names, when each module's only hook is a forward hook carrying it
+    and each shares its quantized rows (its output is computed here, not by a call)."""
+    if not all(_shares_quantized_rows(m) for m in modules):
+        return None
+    return _shared_recorder([m._forward_hooks for m in modules], RECORD_CALL_GROUPS)
 
 
 def _recorded_at_once(modules: Sequence[nn.Module], x: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> bool:
     """Hand a position's calls to its modules' grouped recorder, when each module's only hook is that pre-hook
     (its calls then record nothing more): True when it took them, and the modules are to run unhooked."""
-    hooks = [tuple(m._forward_pre_hooks.values()) for m in modules]
-    if not hooks or any(len(h) != 1 or m._forward_hooks for h, m in zip(hooks, modules)):
+    found = None if any(m._forward_hooks for m in modules) else \
+        _shared_recorder([m._forward_pre_hooks for m in modules], RECORD_ROW_GROUPS)
+    if found is None:
         return False
-    record = getattr(hooks[0][0], RECORD_ROW_GROUPS, None)
-    if record is None or any(getattr(h[0], RECORD_ROW_GROUPS, None) is not record for h in hooks):
-        return False
-    kept = [(h[0].observed_name, b) for h, b in zip(hooks, bounds, strict=True) if b[1] > b[0]]
+    record, names = found
+    kept = [(name, b) for name, b in zip(names, bounds, strict=True) if b[1] > b[0]]
     record([name for name, _ in kept], x, [b for _, b in kept])
     return True
+
+
+def row_groups(bounds: Sequence[tuple[int, int]], rows: int, device: torch.device,
+               dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Each of `rows` rows' group (`bounds`, in order, not overlapping), len(bounds) for a row of none: [rows] of
+    `dtype`, made on the device from the host's bounds without waiting for it."""
+    ids, lengths, at = [], [], 0
+    for g, (start, end) in enumerate(bounds):
+        if start > at:
+            ids.append(len(bounds))
+            lengths.append(start - at)
+        ids.append(g)
+        lengths.append(end - start)
+        at = end
+    if at < rows:
+        ids.append(len(bounds))
+        lengths.append(rows - at)
+    table = host_values([*ids, *lengths], device)
+    return torch.repeat_interleave(table[:len(ids)].to(dtype), table[len(ids):],
+                                   output_size=rows)  # its size said: no wait for the device
 
 
 def _buffers_products(x: torch.Tensor) -> bool:
@@ -701,8 +730,6 @@ def _kernel_scaled_sums(sums: torch.Tensor, sx: torch.Tensor, modules: Sequence[
     groups."""
     from msmodelslim.ops.group_scales import group_scales
 
-    counts = host_values([end - start for start, end in bounds], sums.device)
-    groups = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.int32, device=sums.device), counts,
-                                     output_size=sums.shape[0])  # its size said: no wait for the device
+    groups = row_groups(bounds, sums.shape[0], sums.device, torch.int32)
     weight_scales = torch.cat([m.weight_scale.reshape(1, -1) for m in modules])
     return group_scales(sums, sx, weight_scales, groups)
