@@ -62,14 +62,19 @@ print(json.dumps({{"first_call_s": times[0], "warm_call_s": sum(times[1:]) / 3}}
 """
 
 
-def rank_layer_checkpoint() -> Path:
-    """The `layer` preset as one rank of EP 8 holds it (112 experts, top-2), generated once into bench_out/."""
-    model = BENCH_OUT / "Kimi-K3-layer-ep8-rank"
+def rank_layer_checkpoint(decoder_layers: int = 1) -> Path:
+    """The `layer` preset as one rank of EP 8 holds it (112 experts, top-2), generated once into bench_out/; with
+    `decoder_layers` > 1 that many such KDA layers, so the later ones show what a unit costs in a model's run (the
+    first also pays what a run pays once: its kernels' first calls, the host memory its Hessians park in)."""
+    model = BENCH_OUT / ("Kimi-K3-layer-ep8-rank" + (f"-{decoder_layers}" if decoder_layers > 1 else ""))
     if not (model / "model.safetensors.index.json").is_file():
         shutil.rmtree(model, ignore_errors=True)  # what a generation that failed left behind
         subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "layer", "--out", str(model),
                         "--set", f"text_config.num_experts={EXPERTS_PER_RANK}",
-                        "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}"], check=True)
+                        "--set", f"text_config.num_experts_per_token={TOPK_PER_RANK}",
+                        "--set", f"text_config.num_hidden_layers={decoder_layers}",
+                        "--set", f"text_config.linear_attn_config.kda_layers={list(range(1, decoder_layers + 1))}",
+                        "--set", "text_config.linear_attn_config.full_attn_layers=[]"], check=True)
     return model
 
 
@@ -110,11 +115,17 @@ def stage_peaks(run: dict) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])}
 
 
-def decoder_wall(run: dict) -> float:
-    """The decoder unit's seconds in a run's statistics (the runner's `unit_seconds`; before it was recorded: the
+def decoder_walls(run: dict) -> list[float]:
+    """Each decoder unit's seconds in a run's statistics (the runner's `unit_seconds`; before it was recorded: the
     run's wall less its final flush of the resumable state, the vision, embedding and head units included)."""
     walls = [s for name, s in run.get("unit_seconds", {}).items() if name.startswith("layers.")]
-    return sum(walls) if walls else run["runner_wall"] - run.get("resume_flush", 0.0)
+    return walls or [run["runner_wall"] - run.get("resume_flush", 0.0)]
+
+
+def decoder_wall(run: dict) -> float:
+    """What one decoder unit costs: the mean over the run's decoder units."""
+    walls = decoder_walls(run)
+    return sum(walls) / len(walls)
 
 
 def scale_runs(args: argparse.Namespace, model: Path) -> dict:
@@ -156,6 +167,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             # every stage as it comes, so a run cut by a call's limit still tells where its time went
             print(json.dumps({"variant": name, "tokens": t, "runner_wall": round(run["runner_wall"], 1),
                               "decoder_unit_s": round(decoder_wall(run), 2),
+                              "decoder_units_s": [round(w, 2) for w in decoder_walls(run)],
                               "peak_device_gb": round(run.get("peak_device_gb", 0.0), 2),
                               "peak_rss_gb": round(run["peak_rss_gb"], 2),
                               "stages_s": {k: round(v, 2) for k, v in run.items() if isinstance(v, float)
@@ -179,7 +191,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             # resumable state, the output's publication)
             decoder = [decoder_wall(r) for r in runs]
             per_token, fixed = line_fit(tokens, decoder)
-            once_per_token, once = line_fit(tokens, [r["runner_wall"] - d for r, d in zip(runs, decoder)])
+            once_per_token, once = line_fit(tokens, [r["runner_wall"] - sum(decoder_walls(r)) for r in runs])
             record = {"seconds_fixed_per_decoder_unit": round(fixed, 1),
                       "ms_per_token_per_decoder_unit": round(1000 * per_token, 4),
                       "seconds_once_per_run": round(once, 1), "ms_per_token_once_per_run": round(1000 * once_per_token, 4),
@@ -188,7 +200,8 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
         largest, largest_decoder = runs[-1], decoder_wall(runs[-1])
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
                          "projected_model_hours_per_rank_at_largest": round(
-                             (largest_decoder * args.layers + largest["runner_wall"] - largest_decoder) / 3600, 2)}
+                             (largest_decoder * args.layers + largest["runner_wall"] - sum(decoder_walls(largest)))
+                             / 3600, 2)}
     return summary
 
 
@@ -219,6 +232,9 @@ def main() -> None:
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="with --tokens: the untimed first run's size (default: the smallest T; 0: none, for a "
                         "machine on which an earlier call of the same variants has already compiled and autotuned)")
+    p.add_argument("--decoder-layers", type=int, default=1,
+                   help="KDA decoder layers in the checkpoint (each as one EP-8 rank holds it): with 2 the second shows "
+                        "a unit's cost in a model's run, without what the run's first unit pays once")
     p.add_argument("--runs", type=int, default=2, help="quant runs; the first includes Triton compilation")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     p.add_argument("--skip-autotune", action="store_true", help="do not time fla's first call (88 s, measured)")
@@ -228,7 +244,7 @@ def main() -> None:
     args = p.parse_args()
 
     t0 = time.perf_counter()
-    model = rank_layer_checkpoint()
+    model = rank_layer_checkpoint(args.decoder_layers)
     generate_s = time.perf_counter() - t0
     if args.tokens:
         print_result({"bench": "k3_layer_scale", "machine": machine(), "device": args.device,
