@@ -95,8 +95,15 @@ def fake_quant_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> tor
 def quantize_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization as the runtime does it: (q int8 [..., d], scale float32 [..., 1]).
 
-    On the CPU in pieces of CPU_PIECE_ROWS rows (each row is its own computation, so the values are the same): a
-    piece's float32 temporaries stay in cache instead of streaming through memory (4.5x at 8192 x 1536)."""
+    On CUDA one Triton kernel (`ops/token_quant.py`: the same values, one launch and one read of 16-bit rows
+    instead of nine passes; bench/token_quant.py). On the CPU in pieces of CPU_PIECE_ROWS rows (each row is its own
+    computation, so the values are the same): a piece's float32 temporaries stay in cache instead of streaming
+    through memory (4.5x at 8192 x 1536)."""
+    if TOKEN_QUANT_KERNEL.enabled and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        with not_on_npu("per-token quantization as a Triton kernel on CUDA (and its check); an NPU runs the passes"):
+            found = _checked_per_token(x, _as_dtype(bits))
+        if found is not None:
+            return found
     if x.device.type != "cpu" or x.numel() <= CPU_PIECE_ROWS * x.shape[-1]:
         return quantize_symmetric(x, bits, PerToken())
     rows = x.reshape(-1, x.shape[-1])
@@ -106,6 +113,28 @@ def quantize_per_token(x: torch.Tensor, bits: int | str | IntDtype = 8) -> tuple
         end = start + CPU_PIECE_ROWS
         q[start:end], scale[start:end] = quantize_symmetric(rows[start:end], bits, PerToken())
     return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+
+
+# CUDA: the per-token quantization as one Triton kernel, held to the passes (`_checked_per_token`)
+TOKEN_QUANT_KERNEL = CheckedKernel("per-token activation quantization", "it runs as PyTorch passes from now on: the "
+                                   "same integers, more passes over memory", logger)
+
+
+def _checked_per_token(x: torch.Tensor, d: IntDtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_symmetric(x, d, PerToken())` by ops/token_quant.py; its first result in a process is held to the
+    passes' integers and scales bit for bit. None when the kernel cannot be built here or differs (the passes run
+    from then on, said once)."""
+    def kernel() -> tuple[torch.Tensor, torch.Tensor]:
+        from msmodelslim.ops import token_quant
+
+        return token_quant.per_token_int8(x, d.qmin, d.qmax)
+
+    def check(found: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+        q, scale = quantize_symmetric(x, d, PerToken())
+        return None if torch.equal(found[0], q) and torch.equal(found[1], scale) else \
+            "gave other integers or scales than the passes"
+
+    return TOKEN_QUANT_KERNEL.run(kernel, check)
 
 
 def ssz_scale_search(w: torch.Tensor, bits: int | str | IntDtype, iters: int = 50) -> torch.Tensor:
