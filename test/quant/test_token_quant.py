@@ -36,6 +36,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     print(torch.equal(s.view(300, 1), scale), torch.equal(q.view(300, 1100), quantize_with_scale(work, scale, 8)),
           bool((scale != peak / 127).any()))  # rows where a division would give another scale
+q, s = per_token_int8(x, -8, 7)  # int4 activations
+scale = x.abs().amax(-1, keepdim=True) * (torch.tensor(1.0) / 7)
+scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+print(torch.equal(s, scale), torch.equal(q, quantize_with_scale(x, scale, 4)))
 """
 
 
@@ -43,13 +47,13 @@ def test_the_per_token_kernel_gives_the_passes_integers_and_scales_as_cuda_compu
     """ops/token_quant.py run by Triton's interpreter on the CPU, against the PyTorch passes as aten runs them on CUDA
     (the row maximum times float32(1 / 127): its CUDA division by a host scalar; a tensor divided by the scales,
     rounded half to even, clamped): 300 rows of 1,100 (two column blocks, the second partly masked) over six decades,
-    a zero row, exact halves; bfloat16, float16 and float32 inputs, in a [3, 100, 1100] shape. Tolerance none. The
-    data holds rows where dividing by 127 gives another scale, so a kernel that divided would fail. A fresh
-    interpreter: TRITON_INTERPRET must be set before the kernel's module is imported."""
+    a zero row, exact halves; bfloat16, float16 and float32 inputs, in a [3, 100, 1100] shape; int4's grid too.
+    Tolerance none. The data holds rows where dividing by 127 gives another scale, so a kernel that divided would
+    fail. A fresh interpreter: TRITON_INTERPRET must be set before the kernel's module is imported."""
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-c", TOKEN_QUANT_CHECK], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True"] * 9, out.stdout
+    assert out.stdout.split() == ["True"] * 11, out.stdout
 
 
 def test_the_per_token_kernel_compiles_for_hopper_with_the_passes_rounding(hopper_ptx):
