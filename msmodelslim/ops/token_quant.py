@@ -9,8 +9,7 @@ The same float32 arithmetic as those passes on CUDA, element by element: |x| max
 float32(1 / qmax) (aten's CUDA division by a host scalar multiplies by its float32 reciprocal; the CPU divides), 1
 where it is 0; each element divided by it correctly (`div_rn`, as torch divides two tensors), rounded half to even,
 clamped (grid_search's `_quantized`), made int8: bit-identical to the PyTorch passes on CUDA for finite input.
-(A row holding a NaN gets another scale than torch's: both quantize it to integers that mean nothing; the passes'
-finiteness checks look at the unit's outputs.)
+(A row holding a NaN gets another scale than torch's; either way its integers mean nothing.)
 """
 
 from __future__ import annotations
