@@ -14,6 +14,8 @@ clamped (grid_search's `_quantized`), made int8: bit-identical to the PyTorch pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,12 @@ def _per_token_kernel(X, Q, SCALES, cols, inv_qmax, QMIN: tl.constexpr, QMAX: tl
         tl.store(q_row + c, _quantized(x, scale, QMIN, QMAX).to(tl.int8), mask=mask)
 
 
+@functools.cache
+def _reciprocal(qmax: int) -> float:
+    """float32(1 / qmax) as aten's CUDA division by a host scalar rounds it (once per grid, not per call)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / qmax)
+
+
 def per_token_int8(x: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [..., d], scale float32 [..., 1]) of `x` [..., d] (16- or 32-bit floats, any leading shape) with one
     symmetric scale per row of the last dimension: scale = max|x| * float32(1 / qmax) (1 for a zero row), q =
@@ -54,7 +62,6 @@ def per_token_int8(x: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor,
     q = torch.empty(rows.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0] and cols:
-        inv_qmax = float(torch.tensor(1.0, dtype=torch.float32) / qmax)  # as aten's CUDA division rounds it
-        _per_token_kernel[(rows.shape[0],)](rows, q, scales, cols, inv_qmax, QMIN=float(qmin), QMAX=float(qmax),
-                                            BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+        _per_token_kernel[(rows.shape[0],)](rows, q, scales, cols, _reciprocal(qmax), QMIN=float(qmin),
+                                            QMAX=float(qmax), BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
     return q.view(x.shape), scales.view(*x.shape[:-1], 1)
