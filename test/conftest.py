@@ -7,14 +7,13 @@ Tiers: `make test` runs everything (CI); `make test-fast` (`pytest -m "not slow"
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from standin.standin_helpers import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a whole quantization run (subprocess, several ranks, the consumer "
                                        "outputs); left out by `make test-fast`")
-MAKE_CHECKPOINT = REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"
 MINI = REPO.parent / "shared" / "models" / "kimi-linear-mini"
 
 
@@ -57,9 +55,8 @@ def hopper_ptx() -> Callable[..., str]:
 def tiny_k3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset of the stand-in (seed 0), generated once per session. Read-only: copy it to damage it."""
     out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny"
-    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--preset", "tiny", "--out", str(out)], check=True,
-                   capture_output=True)
-    return out
+    return make_tiny_checkpoint(out)
+
 
 
 @pytest.fixture(scope="session")

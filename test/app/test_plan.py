@@ -147,14 +147,10 @@ def _tensors(state: dict) -> list:
 @pytest.fixture(scope="module")
 def tiny_k3_blocks_of_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset with attention-residual blocks of 3 layers: its 4 decoder layers leave 2 blocks, not 4 // 3."""
-    import subprocess
-    import sys
+    from standin.standin_helpers import make_tiny_checkpoint
 
-    out = tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny-blocks-of-3"
-    subprocess.run([sys.executable, str(REPO / "example" / "multimodal_vlm" / "Kimi-K3" / "make_checkpoint.py"),
-                    "--preset", "tiny", "--out", str(out), "--set", "text_config.attn_res_block_size=3"], check=True,
-                   capture_output=True)
-    return out
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "Kimi-K3-tiny-blocks-of-3",
+                                sets=["text_config.attn_res_block_size=3"])
 
 
 @pytest.mark.parametrize("blocks_of", [2, 3])

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from runner.dp_helpers import REPO, shrunken_practice
 
 from msmodelslim.cli.main import main
 
@@ -37,6 +38,16 @@ def quant_args(model: Path, save: Path, extra: list[str]) -> list[str]:
     if "--config_path" not in extra:
         args += ["--quant_type", "w4a8"]
     return args + extra
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """`--config_path` of the shipped W4A8 practice cut to 2 samples of 32 tokens with plain numerics, for the
+    complete runs below: what they check (the output's files, the publication) is the same for any run length."""
+    practice = shrunken_practice(REPO / "lab_practice/kimi_k3/kimi_k3_w4a8.yaml",
+                                 tmp_path_factory.mktemp("practice") / "p.yaml", max_samples=2, max_seq_len=32,
+                                 plain_numerics=True)
+    return ["--config_path", str(practice)]
 
 
 # The faults the checker finds from headers are unit tests of it (test_checker.py); two of them stay here, to show
@@ -79,7 +90,7 @@ def test_a_data_fault_on_two_ranks_is_one_line_and_leaves_nothing_in_the_temp_fo
 
 
 def test_a_save_path_filled_by_another_process_mid_run_gets_one_line_and_the_output_is_kept_aside(
-        tiny_k3_checkpoint, tmp_path, capsys, monkeypatch):
+        tiny_k3_checkpoint, short_run, tmp_path, capsys, monkeypatch):
     from msmodelslim.app import quant as quant_mod
 
     save, real = tmp_path / "out", quant_mod._publish
@@ -90,7 +101,7 @@ def test_a_save_path_filled_by_another_process_mid_run_gets_one_line_and_the_out
         real(work_dir, save_path)
 
     monkeypatch.setattr(quant_mod, "_publish", another_process_writes_the_save_path)
-    code = main(quant_args(tiny_k3_checkpoint, save, []))
+    code = main(quant_args(tiny_k3_checkpoint, save, short_run))
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if ERROR_LINE.match(line)]
     assert code == 2 and len(errors) == 1 and "Traceback" not in "\n".join(err), err[-10:]
@@ -132,7 +143,8 @@ def test_full_disk_is_refused_before_the_run(tiny_k3_checkpoint, tmp_path, capsy
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k3_checkpoint, tmp_path, capsys):
+def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k3_checkpoint, short_run, tmp_path,
+                                                                         capsys):
     # files of other kinds (a link to one too) never reach the output; a 250-byte name is valid and must work
     model = tmp_path / "model"
     shutil.copytree(tiny_k3_checkpoint, model)
@@ -142,7 +154,7 @@ def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k
     (model / "README.txt").write_text("a note of the vendor")
     (model / "tokenizer_config.json.bak").write_text("{}")
     save = tmp_path / ("o" * 250)
-    code = main(quant_args(model, save, []))
+    code = main(quant_args(model, save, short_run))
     assert code == 0, capsys.readouterr().err
     names = {p.name for p in save.iterdir()}
     assert not names & {"notes.txt", "README.txt", "tokenizer_config.json.bak"}
@@ -154,8 +166,8 @@ def test_output_keeps_only_consumer_files_with_one_mode_under_a_long_name(tiny_k
     assert sorted(os.listdir(tmp_path)) == sorted(["model", "secret.txt", save.name])  # no lock, no temp dir
 
 
-def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_content(tiny_k3_checkpoint, tmp_path,
-                                                                                       capsys):
+def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_content(tiny_k3_checkpoint, short_run,
+                                                                                       tmp_path, capsys):
     # The cache's snapshot is links into blobs/ under content hashes. Reference: the output's consumer files are
     # regular files (not links) byte-equal to the blobs (config.json: same keys but quantization_config).
     import hashlib
@@ -169,7 +181,7 @@ def test_hugging_face_cache_layout_gives_an_output_with_real_files_of_the_same_c
         shutil.copyfile(src, blob)
         (snapshot / src.name).symlink_to(Path("../../blobs") / blob.name)
     save = tmp_path / "out"
-    code = main(quant_args(snapshot, save, []))
+    code = main(quant_args(snapshot, save, short_run))
     assert code == 0, capsys.readouterr().err
     for name in ["tokenizer.json", "tokenizer_config.json", "processor_config.json", "generation_config.json",
                  "modeling_kimi_k3.py", "configuration_kimi_k3.py", "processing_kimi_k3.py"]:
