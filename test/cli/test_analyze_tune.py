@@ -56,7 +56,7 @@ def test_analyze_ranks_a_planted_outlier_first_and_writes_only_the_files_asked_f
                                                                                   monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    practice = minmax_everywhere("kimi_k3_w4a8.yaml", tmp_path / "tmp" / "p.yaml")
+    practice = minmax_everywhere("kimi_k3_w4a8.yaml", tmp_path / "tmp" / "p.yaml", max_samples=4, max_seq_len=64)
     names, report = tmp_path / "disable.yaml", tmp_path / "report.json"
     code = main(analyze_argv(planted, practice, "--top_k", "3", "--save_path", str(names), "--report_path",
                              str(report)))
@@ -74,7 +74,7 @@ def test_analyze_ranks_a_planted_outlier_first_and_writes_only_the_files_asked_f
 def test_a_quant_run_of_the_planted_checkpoint_ranks_the_outlier_first_and_a_fallback_takes_it(planted, tmp_path,
                                                                                                capsys):
     save = tmp_path / "out"
-    practice = minmax_everywhere("kimi_k3_w4a8.yaml", tmp_path / "plain.yaml")
+    practice = minmax_everywhere("kimi_k3_w4a8.yaml", tmp_path / "plain.yaml", max_samples=4, max_seq_len=64)
     assert main(["quant", "--model_path", str(planted), "--save_path", str(save), "--device", "cpu", "--model_type",
                  "Kimi-K3", "--config_path", str(practice), "--trust_remote_code", "True"]) == 0
     report = json.loads((save / "quant_report.json").read_text())
@@ -139,12 +139,12 @@ def test_tune_falls_back_until_the_kl_target_holds_and_publishes_that_round(tmp_
     for a ranking --step 100 does not use; the impact round practice: the next test). --step 100 moves every quantized linear one step per round: W8A8 in round 1, FLOAT in round 2, whose output is
     the float model (KL 0: reference, the original's own next-token distribution), so a 1e-6 KL target holds there
     and nowhere before, on any CPU's float kernels."""
-    minmax_everywhere("kimi_linear_w4a8.yaml", tmp_path / "p.yaml", max_samples=4, max_seq_len=128)
+    minmax_everywhere("kimi_linear_w4a8.yaml", tmp_path / "p.yaml", max_samples=2, max_seq_len=64)
     save = tmp_path / "tuned"
     code = main(["tune", "--model_path", str(MINI), "--save_path", str(save), "--device", "cpu", "--model_type",
                  "Kimi-Linear", "--config_path", str(tmp_path / "p.yaml"), "--dataset", str(TEXT),
-                 "--target_kl", "1e-6", "--metric", "error", "--step", "100", "--max_rounds", "4", "--seq_len", "256",
-                 "--max_windows", "4", "--log_level", "warning"])
+                 "--target_kl", "1e-6", "--metric", "error", "--step", "100", "--max_rounds", "4", "--seq_len", "128",
+                 "--max_windows", "2", "--log_level", "warning"])
     out = capsys.readouterr().out
     assert code == 0 and "target reached (KL 1e-06) in 3 round(s)" in out, out
     rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
