@@ -123,9 +123,16 @@ def decoder_walls(run: dict) -> list[float]:
 
 
 def decoder_wall(run: dict) -> float:
-    """What one decoder unit costs: the mean over the run's decoder units."""
-    walls = decoder_walls(run)
-    return sum(walls) / len(walls)
+    """What each of a model's decoder units costs: the run's last one (with --decoder-layers > 1 a unit after the
+    first, which pays once what a run's first unit pays: the Triton kernels' first calls and checks, the pinned host
+    memory the Hessians park in)."""
+    return decoder_walls(run)[-1]
+
+
+def once_per_run(run: dict) -> float:
+    """What a run pays once whatever its layers: its wall less its decoder units at `decoder_wall` each (the vision,
+    embedding and head units, the first unit's surplus, the final flush of the resumable state, the publication)."""
+    return run["runner_wall"] - decoder_wall(run) * len(decoder_walls(run))
 
 
 def scale_runs(args: argparse.Namespace, model: Path) -> dict:
@@ -186,12 +193,10 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
             tokens = [r["tokens_requested"] for r in runs]
             marginal = {k: round(1000 * line_fit(tokens, [r.get(k, 0.0) for r in runs])[0], 4)
                         for k in runs[-1] if isinstance(runs[-1][k], float) and k not in ("peak_rss_gb", "peak_device_gb")}
-            # as plan_records.json holds it: the decoder unit's line, and the line of the rest of the run, which a
-            # model pays once whatever its layers (the vision, embedding and head units, the final flush of the
-            # resumable state, the output's publication)
+            # as plan_records.json holds it: the decoder unit's line, and the line of the rest of the run
             decoder = [decoder_wall(r) for r in runs]
             per_token, fixed = line_fit(tokens, decoder)
-            once_per_token, once = line_fit(tokens, [r["runner_wall"] - sum(decoder_walls(r)) for r in runs])
+            once_per_token, once = line_fit(tokens, [once_per_run(r) for r in runs])
             record = {"seconds_fixed_per_decoder_unit": round(fixed, 1),
                       "ms_per_token_per_decoder_unit": round(1000 * per_token, 4),
                       "seconds_once_per_run": round(once, 1), "ms_per_token_once_per_run": round(1000 * once_per_token, 4),
@@ -200,8 +205,7 @@ def scale_runs(args: argparse.Namespace, model: Path) -> dict:
         largest, largest_decoder = runs[-1], decoder_wall(runs[-1])
         summary[name] = {"sizes": per_size, "marginal_ms_per_token": marginal, "plan_record": record,
                          "projected_model_hours_per_rank_at_largest": round(
-                             (largest_decoder * args.layers + largest["runner_wall"] - sum(decoder_walls(largest)))
-                             / 3600, 2)}
+                             (largest_decoder * args.layers + once_per_run(largest)) / 3600, 2)}
     return summary
 
 

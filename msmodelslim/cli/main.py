@@ -162,9 +162,13 @@ def _size(n: int) -> str:
 
 
 def _run_quant(ns: argparse.Namespace) -> int:
+    from msmodelslim.core import rank_server
+
+    setup_logging(ns.log_level)  # (its environment variables reach the ranks through the rank server's)
+    if not (ns.plan or ns.plan_json) and rank_server.wanted(device_of(ns)):
+        rank_server.start()  # its imports overlap this process's own and the run's checks
     from msmodelslim.app.quant import QuantArgs, practice_file_name, quant
 
-    setup_logging(ns.log_level)
     args = QuantArgs(
         model_path=ns.model_path, save_path=ns.save_path, model_type=ns.model_type, device=device_of(ns),
         quant_type=ns.quant_type, config_path=ns.config_path, trust_remote_code=ns.trust_remote_code, tags=tuple(ns.tag),

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from msmodelslim.core import ascend_check
+from msmodelslim.core import ascend_check, rank_server
 from msmodelslim.core.calib import practice_records
 from msmodelslim.core.device import DeviceSpec, bind_device
 from msmodelslim.core.dist import DistContext
@@ -331,10 +331,9 @@ def _first_failure(folder: Path) -> tuple[int, str, bool, bool] | None:
 
 
 def _start_method(device_type: str) -> str:
-    """CPU ranks fork from a server that imported torch, transformers and fla once (importing fla alone takes
-    seconds per process); accelerator ranks are spawned clean because a forked CUDA/NPU runtime is unusable."""
+    """CPU ranks fork from the rank server (core/rank_server.py; the command line may have started it already);
+    accelerator ranks are spawned clean because a forked CUDA/NPU runtime is unusable."""
     if device_type != "cpu":
         return "spawn"
-    mp.set_forkserver_preload(["torch", "transformers", "fla.modules", "fla.ops.kda",
-                               "msmodelslim.model.kimi_k3.adapter"])
+    rank_server.start()
     return "forkserver"

@@ -1,12 +1,12 @@
 """The layer-wise runner: the loop over units, on one device or as one rank of a data-parallel group.
 
-Per unit: load (with `background`, the next unit loads in the background) -> processors in YAML order (the runner
-answers what each asks for: statistics from calibration passes, reductions, jobs shared over ranks, the Hessians
-carried from one processor's pass to a later one; `answers.py`) -> forward the processed unit over the samples to
-make the next unit's inputs (quantization errors propagate as at inference; every unit but the last, since MTP
-layers follow the head) -> save -> free. The services around that loop are hooks (pipeline/hooks.py): the savers,
-the quant report, the resumable state, the spill of the samples' state, the per-pass profile; the runner
-owns the loop, the passes, the finite checks, the stage timing and every collective.
+Per unit: load (with `background`, the next unit loads in the background, behind the propagate forward) ->
+processors in YAML order (the runner answers what each asks for: statistics from calibration passes, reductions,
+jobs shared over ranks, the Hessians carried from one processor's pass to a later one; `answers.py`) -> forward
+the processed unit over the samples to make the next unit's inputs (quantization errors propagate as at inference;
+every unit but the last, since MTP layers follow the head) -> save -> free. The services around that loop are
+hooks (pipeline/hooks.py): the savers, the quant report, the resumable state, the spill of the samples' state, the
+per-pass profile; the runner owns the loop, the passes, the finite checks, the stage timing and every collective.
 
 A sample here is a micro-batch (`assembly.micro_batches`). Between units the samples' state (hidden states,
 attention-residual blocks, MTP inputs) lives on the host, and an accelerator holds one micro-batch of it at a time:
@@ -229,8 +229,10 @@ class LayerWiseRunner:
                 bar.set_postfix_str(unit.name)
                 with self.stage("load"):  # (in the background: the wait for it)
                     module = loader.take()
-                loader.start(i + 1)
                 self._process(unit, module, states)
+                # the next unit loads behind the propagate forward, not beside the processors, whose Hessians,
+                # token samples and GPTQ batches make the device's peak (a full-size K3 layer: +8.4 GiB there)
+                loader.start(i + 1)
                 states = self._propagate(i, unit, module, states, last)
                 with self.stage("save"):  # (on accelerators the shards' writes go on behind the next unit)
                     for hook in self.hooks:

@@ -104,8 +104,8 @@ def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
     return "".join(lines)
 
 
+# the main process of two ranks killed: the `stopped` state below, resumed by test_a_resume_drops_the_shard_...
 STOPS = [("cpu", "vision", "sigterm"),  # the first unit, one process
-         ("cpu:0,1", "layers.1", "sigkill"),  # the main process killed
          ("cpu:0,1", "layers.2", "rank")]  # one rank killed
 
 
@@ -235,9 +235,12 @@ def test_kimi_linear_mini_resumes_on_two_ranks(mini_runs, tmp_path):
 # --- refusals ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stopped(tiny_k3_checkpoint: Path, practice: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A workspace with the state of a run on cpu:0,1 killed after layers.0 (copied for each test)."""
+    """A workspace with the state of a run on cpu:0,1 whose main process was killed (SIGKILL) after layers.0, as
+    that stop leaves it: no output, the state alone, and a run that said how to resume (copied for each test)."""
     workspace = tmp_path_factory.mktemp("stopped")
-    stop_after(command(tiny_k3_checkpoint, workspace / "out", "cpu:0,1", practice), "layers.0", "sigkill", workspace)
+    err = stop_after(command(tiny_k3_checkpoint, workspace / "out", "cpu:0,1", practice), "layers.0", "sigkill",
+                     workspace)
+    assert "--resume" in err and os.listdir(workspace) == [".out.partial"]  # the state, and no lock
     return workspace
 
 
@@ -269,6 +272,7 @@ def test_a_resume_drops_the_shard_a_killed_rank_was_writing(tiny_k3_checkpoint, 
     (state_copy / ".out.partial" / ".tmpkAwrEQ").write_bytes(b"half a shard")
     assert main([*command(tiny_k3_checkpoint, state_copy / "out", "cpu:0,1", practice), "--resume"]) == 0
     assert_same_files(reference("cpu:0,1"), state_copy / "out")
+    assert os.listdir(state_copy) == ["out"]  # the state went with the publish
 
 
 def test_fresh_discards_the_state_and_starts_over(tiny_k3_checkpoint, practice, reference, state_copy):
