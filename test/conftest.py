@@ -58,7 +58,6 @@ def tiny_k3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(out)
 
 
-
 @pytest.fixture(scope="session")
 def mini_runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """kimi-linear-mini (the real trained model) quantized once per session with its shipped W4A8C8 practice cut to
