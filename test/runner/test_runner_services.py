@@ -630,3 +630,37 @@ def test_the_run_times_each_unit_from_its_load_to_its_hooks_and_the_runs_end_apa
     assert list(walls) == ["layers.0", "layers.1", "layers.2"]
     assert walls["layers.0"] < 0.3 <= walls["layers.1"] and walls["layers.2"] >= 0.3
     assert sum(walls.values()) + 0.3 <= total
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in line", "in the background"])
+def test_the_next_unit_loads_once_the_processors_of_the_current_one_are_done(background):
+    """The processors make the device's peak (Hessians, token samples, GPTQ's batches): the next unit (a full-size
+    K3 layer, ~8.4 GiB on the device) starts loading after them, behind the forward that makes its inputs. Reference:
+    the order of the adapter's loads and the processor's calls over three units."""
+    from msmodelslim.pipeline.layer_wise import LayerWiseRunner
+
+    units = [Unit(f"layers.{i}", "decoder", f"model.layers.{i}.", i) for i in range(3)]
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    class ThreeUnits(OneUnitAdapter):
+        def units(self) -> list[Unit]:
+            return units
+
+        def load_unit(self, unit: Unit, device: torch.device, reader: Any = None) -> nn.Module:
+            with lock:
+                events.append(("load", unit.name))
+            return two_readers()
+
+    class Marks(Processor):
+        def process_unit(self, ctx: UnitContext) -> Iterator[Observe]:
+            with lock:
+                events.append(("process start", ctx.unit.name))
+            yield Observe(absmax=("a",))
+            with lock:
+                events.append(("process end", ctx.unit.name))
+
+    LayerWiseRunner(ThreeUnits(), [Marks(None)], background=background).run([{"x": torch.randn(4, 12)}])
+    for i in range(2):
+        assert events.index(("process end", f"layers.{i}")) < events.index(("load", f"layers.{i + 1}")), events
+    assert [e for e in events if e[0] == "load"] == [("load", u.name) for u in units]
