@@ -56,9 +56,7 @@ def per_token_int8(x: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor,
     symmetric scale per row of the last dimension: scale = max|x| * float32(1 / qmax) (1 for a zero row), q =
     clamp(round(x / scale), qmin, qmax), rounded half to even."""
     cols = x.shape[-1]
-    rows = x.reshape(-1, cols)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, cols).contiguous()
     q = torch.empty(rows.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0] and cols:
