@@ -193,8 +193,10 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         logger.debug("rank %d of %d: pid %d on %s", rank, world, os.getpid(), socket.gethostname())
         if main_pid is not None:
             _stop_with_main(main_pid, rank, orphaned_output, request.work_dir, world)
-        # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (torchrun.local_world_size if torchrun else world)))
+        # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the cores this process may
+        # run on (a scheduler's CPU binding or taskset narrows them; os.cpu_count() counts the host's)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // (torchrun.local_world_size if torchrun else world)))
     dist = DistContext(rank=rank, world_size=world, device=device)
     adapter = None
     try:

@@ -57,16 +57,20 @@ def free_port() -> int:
 
 
 def torchrun(launch: list[str], model: Path, save_path: str, practice: Path, cwd: Path, marker: str = "",
-             *extra: str, hide: Path | None = None) -> subprocess.Popen:
+             *extra: str, hide: Path | None = None, node: int | None = None) -> subprocess.Popen:
     """`torchrun LAUNCH -m msmodelslim.cli.main quant ...`; with `hide`, in a mount namespace of its own where that
-    folder is an empty tmpfs (a node that does not see the shared file system)."""
+    folder is an empty tmpfs (a node that does not see the shared file system); with `node` (of 2), bound to that
+    node's half of this host's cores, as a node has cores of its own (both on all of them: twice the threads)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "msmodelslim.cli.main", "quant",
            "--model_path", str(model), "--save_path", save_path, "--device", "cpu", "--model_type", "Kimi-K3",
            "--config_path", str(practice), "--trust_remote_code", "True", *extra]
     if hide is not None:
         cmd = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *cmd]
     env = {**os.environ, MARKER_ENV: marker or uuid.uuid4().hex, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cores = sorted(os.sched_getaffinity(0))
+    bind = None if node is None else (lambda: os.sched_setaffinity(0, cores[node::2] or cores))
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=bind)
 
 
 def two_nodes(port: int) -> list[list[str]]:
@@ -79,17 +83,9 @@ def finish(*procs: subprocess.Popen, timeout: float = 240) -> list[tuple[int, st
     return [(p.wait(timeout), p.stdout.read()) for p in procs]
 
 
-def test_two_processes_on_one_host_give_the_single_process_output(tiny_k3_checkpoint, practice, single, tmp_path):
-    (code, log), = finish(torchrun(["--nproc-per-node", "2"], tiny_k3_checkpoint, str(tmp_path / "out"), practice,
-                                   tmp_path))
-    assert code == 0, log[-3000:]
-    assert "torchrun rank 1 of 2 (local 1 of 2) done" in log and "(2 processes, gloo, torchrun)" in log
-    assert assert_same_bytes(single, tmp_path / "out") > 100
-
-
 def test_two_nodes_of_one_process_give_the_single_process_output(tiny_k3_checkpoint, practice, single, tmp_path):
-    procs = [torchrun(launch, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path)
-             for launch in two_nodes(free_port())]
+    procs = [torchrun(launch, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path, node=node)
+             for node, launch in enumerate(two_nodes(free_port()))]
     for code, log in finish(*procs):
         assert code == 0, log[-3000:]
     assert assert_same_bytes(single, tmp_path / "out") > 100
@@ -111,8 +107,8 @@ def test_a_save_path_one_node_does_not_see_stops_every_rank_before_any_compute(t
     shared = tmp_path / "shared"
     shared.mkdir()
     node0, node1 = two_nodes(free_port())
-    procs = [torchrun(node0, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path),
-             torchrun(node1, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path, hide=shared)]
+    procs = [torchrun(node0, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path, node=0),
+             torchrun(node1, tiny_k3_checkpoint, str(shared / "out"), practice, tmp_path, hide=shared, node=1)]
     for code, log in finish(*procs):
         errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
         assert code != 0 and len(errors) == 1, log[-3000:]
@@ -127,8 +123,8 @@ def test_a_node_with_other_weights_stops_every_rank_before_any_compute(tiny_k3_c
     shutil.copytree(tiny_k3_checkpoint, other)
     other_weights(other)
     node0, node1 = two_nodes(free_port())
-    procs = [torchrun(node0, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path),
-             torchrun(node1, other, str(tmp_path / "out"), practice, tmp_path)]
+    procs = [torchrun(node0, tiny_k3_checkpoint, str(tmp_path / "out"), practice, tmp_path, node=0),
+             torchrun(node1, other, str(tmp_path / "out"), practice, tmp_path, node=1)]
     for code, log in finish(*procs):
         errors = [line for line in log.splitlines() if line.startswith("msmodelslim: error: ")]
         assert code != 0 and len(errors) == 1, log[-3000:]
@@ -164,7 +160,7 @@ def test_ranks_started_with_other_inputs_stop_before_any_compute_naming_what_dif
                         else "What else is shown?")
     launches = two_nodes(free_port())
     procs = [torchrun(launches[node], tiny_k3_checkpoint, str(tmp_path / "out"), practices[node],
-                      tmp_path / f"node{node}") for node in (0, 1)]
+                      tmp_path / f"node{node}", node=node) for node in (0, 1)]
     expected = "the practice differs (its bytes)" if differs == "practice" else \
         "the calibration dataset (spec.dataset) differs (its content)"
     for code, log in finish(*procs):
@@ -224,9 +220,11 @@ def test_a_killed_rank_stops_every_rank_and_the_run_resumes_under_torchrun(tiny_
     assert marked(marker) == {}
     # nothing published: the run's resumable state (rank 0 finished layers.0, rank 1 at least embed), and the way on
     assert os.listdir(tmp_path) == [".out.partial"] and "--resume" in log, log[-2000:]
+    # the resumed run on one host, both processes under one torchrun: the single-process output
     (code, log), = finish(torchrun(["--nproc-per-node", "2"], tiny_k3_checkpoint, str(tmp_path / "out"), practice,
                                    tmp_path, "", "--resume"))
     assert code == 0, log[-3000:]
+    assert "torchrun rank 1 of 2 (local 1 of 2) done" in log and "(2 processes, gloo, torchrun)" in log
     assert assert_same_bytes(single, tmp_path / "out") > 100 and os.listdir(tmp_path) == ["out"]
 
 
