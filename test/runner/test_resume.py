@@ -73,9 +73,12 @@ def command(model: Path, save: Path, device: str, practice: Path, model_type: st
 
 def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
     """Run `msmodelslim <args>` and stop it as soon as it logs that `unit` is done: SIGTERM / SIGKILL of the main
-    process, or SIGKILL of rank 1. Returns its stderr."""
+    process, or SIGKILL of rank 1. Returns its stderr, once the stop is complete as test_signals.py specifies it: the
+    exit status of the stop (143 for SIGTERM, 1 for a rank lost), no process of the run alive, nothing left in its private TMPDIR."""
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
+    tmp = cwd.parent / f"{cwd.name}-tmp"  # beside the save directory's parent, whose listing the tests check
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-m", "msmodelslim.cli.main", *args, "--log_level", "debug"], cwd=cwd,
                             env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
@@ -95,12 +98,14 @@ def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
         os.kill(rank1, signal.SIGKILL)
     else:
         proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
-    proc.wait(120)
+    code = proc.wait(120)
     reader.join(10)
+    assert code == {"sigterm": 143, "sigkill": -signal.SIGKILL, "rank": 1}[how], "".join(lines[-20:])
     deadline = time.monotonic() + 15
     while marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not marked_processes(marker), "processes of the run are still alive"
+    assert [p for p in os.listdir(tmp) if p.startswith("msmodelslim-")] == []
     return "".join(lines)
 
 
