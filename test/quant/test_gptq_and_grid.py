@@ -177,7 +177,7 @@ from msmodelslim.quant.functional import grid_scale_search, minmax_scale
 from msmodelslim.quant.granularity import PerChannel, int4
 
 g = torch.Generator().manual_seed(7)
-w = torch.randn(3, 12, 200, generator=g) * torch.exp(torch.randn(3, 12, 1, generator=g))
+w = torch.randn(3, 4, 200, generator=g) * torch.exp(torch.randn(3, 4, 1, generator=g))
 w[0, 0] = 0.0                                                    # an all-zero row (scale 1)
 w[1, 1, 5] = 40.0                                                # an outlier the grid clips
 imp = torch.exp(2 * torch.randn(3, 200, generator=g))
@@ -206,8 +206,8 @@ def test_the_grid_search_kernel_finds_the_scales_of_the_pytorch_search():
     """ops/grid_search.py (CUDA's path of `grid_scale_search`), run by Triton's interpreter on the CPU, against the
     PyTorch search on the same rows (with and without input weights, an all-zero row, an outlier, dead inputs):
     each row's scale has the weighted error of the search's to 1e-6 (float64; the sums run in another order, so
-    the least-squares refinements differ in their last bits: here 40-65 % of the scales are bit-identical, the rest
-    within 5e-12 in error). A fresh interpreter: TRITON_INTERPRET must be set before the kernel's module is
+    the least-squares refinements differ in their last bits: here 40-85 % of the scales are bit-identical, the rest
+    within 6e-12 in error). A fresh interpreter: TRITON_INTERPRET must be set before the kernel's module is
     imported."""
     import subprocess
     import sys
