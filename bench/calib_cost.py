@@ -32,7 +32,17 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, ROOT, SHARED, line_fit, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.common import (  # noqa: E402
+    BENCH_OUT,
+    ROOT,
+    SHARED,
+    line_fit,
+    machine,
+    package_tree,
+    print_result,
+    run_quant,
+    shrunken_practice,
+)
 from bench.k3_layer import long_record_set  # noqa: E402
 from msmodelslim.core.calib import load_calib_records  # noqa: E402
 from msmodelslim.core.config import DEFAULT_MICRO_BATCH_TOKENS  # noqa: E402
@@ -101,6 +111,7 @@ def main() -> None:
     p.add_argument("--one-way", action="store_true", help="each size once, in the given order (half the time)")
     p.add_argument("--tree", default=None, help="run the runner of this copy of the package")
     args = p.parse_args()
+    package_tree(args.tree)
     sizes = [int(t) for t in args.tokens.split(",")]
     if len(set(sizes)) < 2:  # the cost of a token is the slope between sizes
         p.error(f"--tokens: two or more different sizes are needed for a cost per token, got {args.tokens!r}")

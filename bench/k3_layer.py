@@ -15,7 +15,7 @@ Calibration at scale (`--tokens 65536,262144,1048576`): a generated set of long 
 `--max-seq-len`; one record in 8 is image+text from lab_calib/calibImages) of T tokens for each T, run after one
 warm-up run, so the marginal cost of a calibration token (ms per token, per stage) is the least-squares slope over
 the sizes.
-`--baseline-tree DIR` runs the same sizes with another copy of the package (e.g. `git archive` of an older commit)
+`--baseline-tree DIR` runs the same sizes with another copy of the package (`git archive REV | tar -x -C DIR`)
 in the same sitting, for a side-by-side ratio; `--micro-batch-tokens 8192,65536` runs each size at each micro-batch
 size (the passes are bound by kernel launches per micro-batch, not by the device's arithmetic).
 
@@ -35,7 +35,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, line_fit, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.common import (  # noqa: E402
+    BENCH_OUT,
+    MAKE_CHECKPOINT,
+    ROOT,
+    line_fit,
+    machine,
+    package_tree,
+    print_result,
+    run_quant,
+    shrunken_practice,
+)
 from msmodelslim.pipeline.spill import BUDGET_ENV  # noqa: E402
 
 EP = 8
@@ -246,6 +256,7 @@ def main() -> None:
                    help="after the runs, warm runs without and with the quant report, alternating (3 each): the "
                         "report's share of the layer")
     args = p.parse_args()
+    package_tree(args.baseline_tree)
 
     t0 = time.perf_counter()
     model = rank_layer_checkpoint(args.decoder_layers)

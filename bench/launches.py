@@ -24,7 +24,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BENCH_OUT, MAKE_CHECKPOINT, ROOT, machine, print_result, run_quant, shrunken_practice  # noqa: E402
+from bench.common import (  # noqa: E402
+    BENCH_OUT,
+    MAKE_CHECKPOINT,
+    ROOT,
+    machine,
+    package_tree,
+    print_result,
+    run_quant,
+    shrunken_practice,
+)
 from bench.k3_layer import EXPERTS_PER_RANK, TOPK_PER_RANK, long_record_set  # noqa: E402
 from msmodelslim.pipeline.launch import NO_REPORT_ENV  # noqa: E402
 from msmodelslim.pipeline.profile import PROFILE_ENV  # noqa: E402
@@ -81,6 +90,7 @@ def main() -> None:
     p.add_argument("--baseline-tree", default=None, help="also count this copy of the package")
     p.add_argument("--practice", default=str(ROOT / "lab_practice" / "kimi_k3" / "kimi_k3_w4a8.yaml"))
     args = p.parse_args()
+    package_tree(args.baseline_tree)
     model = shrunk_layer_checkpoint()
     trees = {"current": None, **({"baseline": args.baseline_tree} if args.baseline_tree else {})}
     counted = {}
