@@ -109,22 +109,23 @@ def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
     return "".join(lines)
 
 
-# the main process of two ranks killed: the `stopped` state below, resumed by test_a_resume_drops_the_shard_...
-STOPS = [("cpu", "vision", "sigterm"),  # the first unit, one process
-         ("cpu:0,1", "layers.2", "rank")]  # one rank killed
-
-
-@pytest.mark.parametrize("device, unit, how", STOPS, ids=[f"{d} {h} after {u}" for d, u, h in STOPS])
-def test_a_stopped_run_resumes_to_the_uninterrupted_output(tiny_k3_checkpoint, practice, reference, tmp_path,
-                                                          device, unit, how):
-    save = tmp_path / "out"
-    args = command(tiny_k3_checkpoint, save, device, practice)
-    err = stop_after(args, unit, how, tmp_path)
-    assert not save.exists() and "--resume" in err
-    assert os.listdir(tmp_path) == [".out.partial"]  # the state, and no lock
+def resumes_after(args: list[str], unit: str, how: str, workspace: Path, uninterrupted: Path) -> None:
+    """A run stopped after `unit` (stop_after) leaves the state alone and says how to resume; `--resume` then writes
+    the uninterrupted output, and the state goes with the publish."""
+    err = stop_after(args, unit, how, workspace)
+    assert "--resume" in err
+    assert os.listdir(workspace) == [".out.partial"]  # no output, the state, and no lock
     assert main([*args, "--resume"]) == 0
-    assert_same_files(reference(device), save)
-    assert os.listdir(tmp_path) == ["out"]  # the state went with the publish
+    assert_same_files(uninterrupted, workspace / "out")
+    assert os.listdir(workspace) == ["out"]
+
+
+# The stops: SIGTERM of one process here, SIGKILL of a rank on the mini below, SIGKILL of the main process of two
+# ranks in the `stopped` state further down (resumed by test_a_resume_drops_the_shard_...).
+def test_a_run_stopped_by_sigterm_after_its_first_unit_resumes_to_the_uninterrupted_output(
+        tiny_k3_checkpoint, practice, reference, tmp_path):
+    resumes_after(command(tiny_k3_checkpoint, tmp_path / "out", "cpu", practice), "vision", "sigterm", tmp_path,
+                  reference("cpu"))
 
 
 def test_a_failure_after_the_last_unit_resumes_to_the_uninterrupted_output(tiny_k3_checkpoint, practice, reference,
@@ -228,13 +229,11 @@ def test_a_disk_full_mid_run_is_one_line_keeps_the_state_and_resumes(tiny_k3_che
     assert_same_files(reference("cpu"), save)
 
 
-def test_kimi_linear_mini_resumes_on_two_ranks(mini_runs, tmp_path):
-    save = tmp_path / "work" / "out"
-    save.parent.mkdir()
-    args = command(mini_runs.model, save, "cpu:0,1", mini_runs.practice, "Kimi-Linear")
-    stop_after(args, "layers.3", "sigkill", tmp_path)
-    assert main([*args, "--resume"]) == 0
-    assert_same_files(mini_runs.two, save)
+def test_kimi_linear_mini_with_a_rank_killed_resumes_on_two_ranks(mini_runs, tmp_path):
+    workspace = tmp_path / "work"
+    workspace.mkdir()
+    args = command(mini_runs.model, workspace / "out", "cpu:0,1", mini_runs.practice, "Kimi-Linear")
+    resumes_after(args, "layers.3", "rank", workspace, mini_runs.two)
 
 
 # --- refusals ------------------------------------------------------------------------------------------------------
