@@ -373,19 +373,29 @@ def test_resume_without_state_says_so(tiny_k3_checkpoint, practice, tmp_path, ca
     assert "no interrupted run of --save_path" in line and os.listdir(tmp_path) == []
 
 
-def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_from_the_files(
+def test_a_spilled_run_that_keeps_its_state_every_second_unit_resumes_to_the_uninterrupted_output(
         tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
-    # $MSMODELSLIM_HOST_STATE_GIB=0: every micro-batch's state between units goes to a file (pipeline/spill.py) and is
-    # read back memory-mapped; the kept units refer to those files, and a decoder unit's files to the earlier ones
-    # that hold the blocks it passed through. Reference: the uninterrupted in-memory run, bytes.
+    # spec.resume_every 2: the state is kept after units 1, 3, 5, ... (embed, layers.1, ...) and the last. Killed
+    # after layers.2 (unit 4, not kept), the run resumes after layers.1 and recomputes layers.2. With
+    # $MSMODELSLIM_HOST_STATE_GIB=0 every micro-batch's state between units goes to a file (pipeline/spill.py), read
+    # back memory-mapped: the kept units refer to those files, a decoder unit's files to the earlier ones that hold
+    # the blocks it passed through, and the kept units' files survive while the others' go. Reference: the same
+    # practice run uninterrupted and in memory, bytes.
     import torch
+    import yaml
 
     from msmodelslim.pipeline.spill import BUDGET_ENV, SpillRef, map_state
 
+    every = tmp_path.parent / f"{tmp_path.name}-every2.yaml"  # beside the workspace, whose listing is checked
+    data = yaml.safe_load(practice.read_text())
+    data["spec"]["resume_every"] = 2
+    every.write_text(yaml.safe_dump(data, sort_keys=False))
+    expected = reference("cpu", prac=every)
     monkeypatch.setenv(BUDGET_ENV, "0")
-    save = tmp_path / "out"
-    args = command(tiny_k3_checkpoint, save, "cpu", practice)
-    stop_after(args, "layers.1", "sigkill", tmp_path)
+    args = command(tiny_k3_checkpoint, tmp_path / "out", "cpu", every)
+    stop_after(args, "layers.2", "sigkill", tmp_path)
+    kept = sorted(p.name for p in (tmp_path / ".out.partial").rglob("resume/rank0/unit*.pt"))
+    assert kept and all(int(name[4:9]) % 2 == 1 for name in kept), kept
     spilled = list((tmp_path / ".out.partial").rglob("spill/unit*/*.pt"))
     assert spilled, "nothing spilled"
     references = []
@@ -393,33 +403,8 @@ def test_a_run_whose_state_spills_to_disk_writes_the_same_output_and_resumes_fro
         map_state(torch.load(path, weights_only=False), lambda ref, _keys: references.append(ref), (SpillRef,))
     assert references, "no spilled state refers to an earlier file"
     assert main([*args, "--resume"]) == 0
-    assert_same_files(reference("cpu"), save)
+    assert_same_files(expected, tmp_path / "out")
     assert os.listdir(tmp_path) == ["out"]  # the spilled state went with the resumable state
-
-
-def test_a_run_that_keeps_its_state_every_second_unit_resumes_to_the_uninterrupted_output(
-        tiny_k3_checkpoint, practice, reference, tmp_path, monkeypatch):
-    # spec.resume_every 2: the state is kept after units 1, 3, 5, ... (embed, layers.1, ...) and the last. Killed
-    # after layers.2 (unit 4, not kept), the run resumes after layers.1 and recomputes layers.2; with every state
-    # spilled, the kept units' files survive while the others' go. Reference: the same practice run uninterrupted,
-    # bytes.
-    import yaml
-
-    from msmodelslim.pipeline.spill import BUDGET_ENV
-
-    every = tmp_path / "every2.yaml"
-    data = yaml.safe_load(practice.read_text())
-    data["spec"]["resume_every"] = 2
-    every.write_text(yaml.safe_dump(data, sort_keys=False))
-    expected = reference("cpu", prac=every)
-    monkeypatch.setenv(BUDGET_ENV, "0")
-    save = tmp_path / "out"
-    args = command(tiny_k3_checkpoint, save, "cpu", every)
-    stop_after(args, "layers.2", "sigkill", tmp_path)
-    kept = sorted(p.name for p in (tmp_path / ".out.partial").rglob("resume/rank0/unit*.pt"))
-    assert kept and all(int(name[4:9]) % 2 == 1 for name in kept), kept
-    assert main([*args, "--resume"]) == 0
-    assert_same_files(expected, save)
 
 
 def test_the_spilled_state_on_disk_stays_within_the_plans_bound(tiny_k3_checkpoint, practice, tmp_path, monkeypatch):
