@@ -86,7 +86,7 @@ def mini_runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     practice.write_text(yaml.safe_dump(spec, sort_keys=False))
     for name, device in (("one", "cpu"), ("two", "cpu:0,1")):
         with pytest.MonkeyPatch.context() as env:
-            if name == "one":  # several checked ranks: the tiny Kimi-K3's data-parallel runs (~3x the time here)
+            if name == "one":  # checked (~3x the time here); checked runs on several ranks: test_data_parallel.py
                 env.setenv(ascend_check.ENV, "1")
                 env.setenv(STATS_ENV, str(root / "stats"))
             quant(QuantArgs(model_path=str(MINI), save_path=str(root / name), device=device,

@@ -177,6 +177,14 @@ def _stop_with_main(main_pid: int, rank: int, cleanup: list[Path], work_dir: Pat
     threading.Thread(target=watch, name="main-watchdog", daemon=True).start()
 
 
+def host_threads(ranks_here: int) -> int:
+    """Threads for one rank's host work (CPU compute, GPTQ's Cholesky factors, loading): the cores this process may
+    run on, shared by the `ranks_here` ranks of this host. A scheduler's CPU binding, taskset or a container's cpuset
+    narrows them (os.cpu_count() counts the host's: two ranks bound to one core each would run twice the threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_here)
+
+
 def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rendezvous | None,
                failures: str | None = None, main_pid: int | None = None) -> dict[str, float]:
     """One rank of a run (rank 0 of 1 on a single device). A failing rank notes its error and the time in the
@@ -193,10 +201,7 @@ def run_worker(rank: int, request: QuantRequest, records: list[Any], meet: Rende
         logger.debug("rank %d of %d: pid %d on %s", rank, world, os.getpid(), socket.gethostname())
         if main_pid is not None:
             _stop_with_main(main_pid, rank, orphaned_output, request.work_dir, world)
-        # every rank's host work (CPU compute, GPTQ's Cholesky factors, loading) shares the cores this process may
-        # run on (a scheduler's CPU binding or taskset narrows them; os.cpu_count() counts the host's)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // (torchrun.local_world_size if torchrun else world)))
+        torch.set_num_threads(host_threads(torchrun.local_world_size if torchrun else world))
     dist = DistContext(rank=rank, world_size=world, device=device)
     adapter = None
     try:

@@ -73,8 +73,9 @@ def command(model: Path, save: Path, device: str, practice: Path, model_type: st
 
 def stop_after(args: list[str], unit: str, how: str, cwd: Path) -> str:
     """Run `msmodelslim <args>` and stop it as soon as it logs that `unit` is done: SIGTERM / SIGKILL of the main
-    process, or SIGKILL of rank 1. Returns its stderr, once the stop is complete as test_signals.py specifies it: the
-    exit status of the stop (143 for SIGTERM, 1 for a rank lost), no process of the run alive, nothing left in its private TMPDIR."""
+    process, or SIGKILL of rank 1. Returns its stderr, once the stop is complete as test_signals.py specifies it:
+    the exit status of the stop (143 for SIGTERM, 1 for a rank lost), no process of the run alive, nothing left in
+    its private TMPDIR."""
     marker = uuid.uuid4().hex
     tmp = cwd.parent / f"{cwd.name}-tmp"  # beside the save directory's parent, whose listing the tests check
     tmp.mkdir(exist_ok=True)
