@@ -87,12 +87,12 @@ def shrunken_practice(source: Path, dest: Path, max_samples: int | None = None,
     return dest
 
 
-def package_tree(tree: str | None) -> str | None:
+def package_tree(tree: str | None) -> None:
     """`tree` (another copy of the package for a side-by-side run) checked before any run: a copy made of the
     package folder alone lacks the resources it reads at start (config/, lab_practice/, lab_calib/ beside setup.py),
     and would fail after the current tree's runs have spent a device call's minutes."""
     if tree is None:
-        return None
+        return
     from msmodelslim.core.resources import RESOURCE_KINDS
 
     root = Path(tree)
@@ -101,7 +101,6 @@ def package_tree(tree: str | None) -> str | None:
     if not (root / "msmodelslim" / "__init__.py").is_file() or missing:
         sys.exit(f"bench: {tree} is no runnable copy of the package (missing: "
                  f"{', '.join(missing) or 'msmodelslim/'}); make one with `git archive REV | tar -x -C {tree}`")
-    return tree
 
 
 def run_quant(model: Path, out: Path, device: str, practice: Path, model_type: str = "Kimi-K3",
